@@ -1,0 +1,74 @@
+"""Shared pieces of the kernels: interpreter detection, input checks, the tile matmul."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Triton reads TRITON_INTERPRET when a kernel is decorated, so this is fixed at import time too.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_INTERPRET = tl.constexpr(INTERPRET)
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def mma(a, b, acc, INPUT_PRECISION: tl.constexpr):
+    """acc += a @ b on the tensor cores: fp32 accumulation, fp32 inputs as ieee or tf32.
+
+    Triton's interpreter multiplies bf16 tiles as raw integers; upcasting 16-bit tiles there
+    gives the tensor-core result (exact products, fp32 sums).
+    """
+    if _INTERPRET and a.dtype != tl.float32:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+    return tl.dot(a, b, acc)
+
+
+def input_precision(dtype: torch.dtype, allow_tf32: bool | None) -> str:
+    """'tf32' or 'ieee' for fp32 matmuls; default follows torch.get_float32_matmul_precision()."""
+    if allow_tf32 is None:
+        allow_tf32 = torch.get_float32_matmul_precision() != "highest"
+    return "tf32" if dtype == torch.float32 and allow_tf32 else "ieee"
+
+
+def check_device(*tensors: torch.Tensor | None) -> torch.device:
+    """All tensors on one device that can run Triton: CUDA, or the CPU under TRITON_INTERPRET=1."""
+    present = [t for t in tensors if t is not None]
+    device = present[0].device
+    for t in present:
+        if t.device != device:
+            raise ValueError(f"all tensors must be on one device: expected {device}, got {t.device}")
+    if device.type == "cpu" and not INTERPRET:
+        raise ValueError(
+            "CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before importing "
+            "vit_triton, or move the tensors to a CUDA device"
+        )
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"expected a CUDA (or, with TRITON_INTERPRET=1, CPU) tensor, got {device}")
+    return device
+
+
+def check_dtype(name: str, t: torch.Tensor, expected: torch.dtype) -> None:
+    if t.dtype != expected:
+        raise ValueError(f"{name} must be {expected}, got {t.dtype}")
+
+
+def check_shape(name: str, t: torch.Tensor, expected: tuple[int, ...]) -> None:
+    if tuple(t.shape) != tuple(expected):
+        raise ValueError(f"{name} must have shape {tuple(expected)}, got {tuple(t.shape)}")
+
+
+def check_float(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in DTYPES:
+        raise ValueError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+
+
+def tune(cuda_configs: list[triton.Config], interpret_config: triton.Config) -> list[triton.Config]:
+    """The autotune list: Hopper-sized tiles on a GPU, one small tile under the interpreter."""
+    return [interpret_config] if INTERPRET else cuda_configs

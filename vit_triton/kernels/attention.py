@@ -1,0 +1,127 @@
+"""Fused multi-head attention: o = softmax(q k^T * scale) v, per batch and head, unmasked.
+
+Layouts: q, k, v [B, T, H, Dh], any batch/token/head strides and unit stride along Dh, so they
+are read straight out of the QKV GEMM's [B*T, 3*H*Dh] output (qkv.view(B, T, 3, H, Dh)[:, :, i]).
+o [B, T, H, Dh] contiguous, which is the [B*T, H*Dh] row-major input of the out-projection.
+
+One launch covers all batches and heads: program (i, b*H + h) owns BLOCK_M queries, streams K
+and V in BLOCK_N tiles and keeps a running max and sum (online softmax, base 2 with the scale
+folded into log2(e)), so the T x T scores never leave on-chip memory. Head dims that are not a
+power of two (80, 96) are padded to one in registers by masked loads.
+
+Cost: 4*B*H*T*T*Dh FLOPs (two GEMMs) + B*H*T*T exponentials; at least 4*B*T*H*Dh elements moved.
+"""
+
+from __future__ import annotations
+
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check_device, check_dtype, check_float, check_shape, input_precision, mma, tune
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.autotune(
+    configs=tune(
+        [
+            triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=3),
+            triton.Config({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=2),
+            triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=3),
+            triton.Config({"BLOCK_M": 128, "BLOCK_N": 32}, num_warps=4, num_stages=3),
+            triton.Config({"BLOCK_M": 64, "BLOCK_N": 128}, num_warps=4, num_stages=2),
+        ],
+        triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=4, num_stages=1),
+    ),
+    key=["T", "HEAD_DIM", "INPUT_PRECISION"],
+)
+@triton.jit
+def _attention_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr,
+    T, H, qk_scale,
+    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+
+    q_ptrs = q_ptr + b * sq_b + h * sq_h + offs_m[:, None] * sq_t + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=(offs_m < T)[:, None] & mask_d[None, :], other=0.0)
+    k_ptrs = k_ptr + b * sk_b + h * sk_h + offs_n[None, :] * sk_t + offs_d[:, None]
+    v_ptrs = v_ptr + b * sv_b + h * sv_h + offs_n[:, None] * sv_t + offs_d[None, :]
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    for start in range(0, T, BLOCK_N):
+        valid_n = (start + offs_n) < T
+        k = tl.load(k_ptrs, mask=valid_n[None, :] & mask_d[:, None], other=0.0)
+        s = mma(q, k, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), INPUT_PRECISION) * qk_scale
+        s = tl.where(valid_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptrs, mask=valid_n[:, None] & mask_d[None, :], other=0.0)
+        acc = mma(p.to(v.dtype), v, acc * alpha[:, None], INPUT_PRECISION)
+        m_i = m_new
+        k_ptrs += BLOCK_N * sk_t
+        v_ptrs += BLOCK_N * sv_t
+
+    o = acc / l_i[:, None]
+    o_ptrs = o_ptr + b * so_b + h * so_h + offs_m[:, None] * so_t + offs_d[None, :]
+    tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=(offs_m < T)[:, None] & mask_d[None, :])
+
+
+def fused_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float | None = None,
+    allow_tf32: bool | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """softmax(q @ k^T * scale) @ v for q, k, v [B, T, H, Dh]; returns [B, T, H, Dh] contiguous.
+
+    scale defaults to Dh ** -0.5. Head dims from 16 to 256 are accepted.
+    """
+    check_device(q, k, v, out)
+    check_float("q", q)
+    if q.dim() != 4:
+        raise ValueError(f"q must be 4-D [B, T, H, Dh], got shape {tuple(q.shape)}")
+    B, T, H, Dh = q.shape
+    if not 16 <= Dh <= 256:
+        raise ValueError(f"head dim must be between 16 and 256, got {Dh}")
+    for name, t in (("k", k), ("v", v)) + ((("out", out),) if out is not None else ()):
+        check_shape(name, t, (B, T, H, Dh))
+        check_dtype(name, t, q.dtype)
+    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
+        if t is not None and t.stride(3) != 1:
+            raise ValueError(f"{name} must have unit stride along the head dim, got strides {t.stride()}")
+    if out is None:
+        out = torch.empty((B, T, H, Dh), device=q.device, dtype=q.dtype)
+    scale = Dh ** -0.5 if scale is None else scale
+
+    def grid(meta):
+        return (triton.cdiv(T, meta["BLOCK_M"]), B * H)
+
+    _attention_kernel[grid](
+        q, k, v, out,
+        T, H, scale * _LOG2E,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        HEAD_DIM=Dh, BLOCK_D=max(16, triton.next_power_of_2(Dh)),
+        INPUT_PRECISION=input_precision(q.dtype, allow_tf32),
+    )
+    return out

@@ -1,0 +1,76 @@
+"""ViTConfig: one dataclass that describes every supported Vision Transformer."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ..kernels import ACTIVATIONS
+
+POOLS = ("token", "avg")
+
+
+@dataclass(frozen=True)
+class ViTConfig:
+    """The shape and the variant choices of a ViT; defaults are ViT-B/16 at 224 px (timm's).
+
+    pool "token" takes the class token, "avg" the mean of the patch tokens. fc_norm moves the
+    final LayerNorm after the pooling (timm's avg-pool models); final_norm=False drops it.
+    pos_embed_prefix: the position embedding also covers the prefix tokens (timm's default;
+    False is no_embed_class). pre_norm adds a LayerNorm before the blocks (CLIP), where the patch
+    projection has no bias (patch_bias=False).
+    """
+
+    image_size: int = 224
+    patch_size: int = 16
+    in_chans: int = 3
+    embed_dim: int = 768
+    depth: int = 12
+    num_heads: int = 12
+    mlp_dim: int = 3072
+    qkv_bias: bool = True
+    norm_eps: float = 1e-6
+    act: str = "gelu"
+    class_token: bool = True
+    reg_tokens: int = 0
+    pos_embed_prefix: bool = True
+    patch_bias: bool = True
+    pre_norm: bool = False
+    final_norm: bool = True
+    fc_norm: bool = False
+    pool: str = "token"
+    num_classes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.image_size % self.patch_size:
+            raise ValueError(f"image_size {self.image_size} must be a multiple of patch_size {self.patch_size}")
+        if self.embed_dim % self.num_heads:
+            raise ValueError(f"embed_dim {self.embed_dim} must be a multiple of num_heads {self.num_heads}")
+        if not 16 <= self.head_dim <= 256:
+            raise ValueError(f"head dim must be between 16 and 256, got {self.head_dim}")
+        if self.act not in ACTIVATIONS[1:]:
+            raise ValueError(f"act must be one of {ACTIVATIONS[1:]}, got {self.act!r}")
+        if self.pool not in POOLS:
+            raise ValueError(f"pool must be one of {POOLS}, got {self.pool!r}")
+        if self.pool == "token" and not self.class_token:
+            raise ValueError("pool 'token' needs class_token=True")
+        if self.fc_norm and not self.final_norm:
+            raise ValueError("fc_norm is the final norm moved after pooling: it needs final_norm=True")
+
+    @property
+    def head_dim(self) -> int:
+        return self.embed_dim // self.num_heads
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def num_prefix_tokens(self) -> int:
+        return int(self.class_token) + self.reg_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefix_tokens + self.num_patches
+
+    def to_dict(self) -> dict:
+        return asdict(self)

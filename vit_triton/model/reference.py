@@ -1,0 +1,57 @@
+"""The same ViT written with PyTorch operators: the reference that `verify` and the tests hold
+the kernels to. Takes a ViT's config and parameters, so it can run in float64 on a copy."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .config import ViTConfig
+
+
+def activation(x: torch.Tensor, act: str) -> torch.Tensor:
+    if act == "gelu":
+        return F.gelu(x)
+    if act == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    if act == "quick_gelu":
+        return x * torch.sigmoid(1.702 * x)
+    return x
+
+
+def reference_forward(cfg: ViTConfig, params: dict[str, torch.Tensor], pixels: torch.Tensor,
+                      features_only: bool = False) -> torch.Tensor:
+    """forward_features (features_only) or forward of a ViT with parameters `params` (state dict)."""
+    p = params
+    d, eps = cfg.embed_dim, cfg.norm_eps
+    x = F.conv2d(pixels.to(p["pos_embed"].dtype), p["patch_embed.weight"], p.get("patch_embed.bias"),
+                 stride=cfg.patch_size).flatten(2).transpose(1, 2)
+    batch = x.shape[0]
+    if not cfg.pos_embed_prefix:
+        x = x + p["pos_embed"]
+    if cfg.num_prefix_tokens:
+        x = torch.cat([p["prefix_tokens"].expand(batch, -1, -1), x], dim=1)
+    if cfg.pos_embed_prefix:
+        x = x + p["pos_embed"]
+    if cfg.pre_norm:
+        x = F.layer_norm(x, (d,), p["norm_pre.weight"], p["norm_pre.bias"], eps)
+    for i in range(cfg.depth):
+        b = f"blocks.{i}."
+        h = F.layer_norm(x, (d,), p[b + "norm1.weight"], p[b + "norm1.bias"], eps)
+        qkv = F.linear(h, p[b + "qkv.weight"], p.get(b + "qkv.bias"))
+        q, k, v = qkv.view(batch, -1, 3, cfg.num_heads, cfg.head_dim).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(batch, -1, d)
+        x = x + F.linear(a, p[b + "proj.weight"], p[b + "proj.bias"])
+        h = F.layer_norm(x, (d,), p[b + "norm2.weight"], p[b + "norm2.bias"], eps)
+        h = activation(F.linear(h, p[b + "fc1.weight"], p[b + "fc1.bias"]), cfg.act)
+        x = x + F.linear(h, p[b + "fc2.weight"], p[b + "fc2.bias"])
+    if "norm.weight" in p:
+        x = F.layer_norm(x, (d,), p["norm.weight"], p["norm.bias"], eps)
+    if features_only:
+        return x
+    x = x[:, 0] if cfg.pool == "token" else x[:, cfg.num_prefix_tokens:].mean(1)
+    if cfg.fc_norm:
+        x = F.layer_norm(x, (d,), p["fc_norm.weight"], p["fc_norm.bias"], eps)
+    if cfg.num_classes:
+        x = F.linear(x, p["head.weight"], p["head.bias"])
+    return x

@@ -1,0 +1,143 @@
+"""The Vision Transformer as nn.Modules whose forward runs only vit_triton kernels.
+
+Parameter names follow timm (patch_embed, blocks.i.qkv, blocks.i.fc1, norm, head, ...) except
+that the prefix tokens (class, then registers) are one tensor, prefix_tokens [P0, D], and
+position embeddings are [T_pos, D] without timm's leading batch dimension.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..kernels import fused_attention, layer_norm, linear, patch_embed, token_mean
+from .config import ViTConfig
+
+
+
+class LayerNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, **factory) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, **factory))
+        self.bias = nn.Parameter(torch.zeros(dim, **factory))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return layer_norm(x, self.weight, self.bias, self.eps)
+
+
+class Linear(nn.Module):
+    """y = activation(x @ W^T + b) [+ residual], all in one GEMM."""
+
+    def __init__(self, d_in: int, d_out: int, bias: bool = True, activation: str = "none", **factory) -> None:
+        super().__init__()
+        self.activation = activation
+        self.weight = nn.Parameter(torch.empty(d_out, d_in, **factory))
+        self.bias = nn.Parameter(torch.zeros(d_out, **factory)) if bias else None
+        nn.init.trunc_normal_(self.weight, std=0.02)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, activation=self.activation, residual=residual)
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, cfg: ViTConfig, **factory) -> None:
+        super().__init__()
+        s = cfg.patch_size
+        self.weight = nn.Parameter(torch.empty(cfg.embed_dim, cfg.in_chans, s, s, **factory))
+        self.bias = nn.Parameter(torch.zeros(cfg.embed_dim, **factory)) if cfg.patch_bias else None
+        nn.init.trunc_normal_(self.weight, std=0.02)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block; x is the [B*T, D] token matrix, updated by residual epilogues."""
+
+    def __init__(self, cfg: ViTConfig, **factory) -> None:
+        super().__init__()
+        d = cfg.embed_dim
+        self.num_heads = cfg.num_heads
+        self.norm1 = LayerNorm(d, cfg.norm_eps, **factory)
+        self.qkv = Linear(d, 3 * d, bias=cfg.qkv_bias, **factory)
+        self.proj = Linear(d, d, **factory)
+        self.norm2 = LayerNorm(d, cfg.norm_eps, **factory)
+        self.fc1 = Linear(d, cfg.mlp_dim, activation=cfg.act, **factory)
+        self.fc2 = Linear(cfg.mlp_dim, d, **factory)
+
+    def forward(self, x: torch.Tensor, batch: int) -> torch.Tensor:
+        tokens, d = x.shape[0] // batch, x.shape[1]
+        # The QKV GEMM's [B*T, 3D] output is read in place as q, k, v [B, T, H, Dh] views.
+        qkv = self.qkv(self.norm1(x)).view(batch, tokens, 3, self.num_heads, d // self.num_heads)
+        attn = fused_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2])
+        x = self.proj(attn.view(batch * tokens, d), residual=x)
+        return self.fc2(self.fc1(self.norm2(x)), residual=x)
+
+
+class ViT(nn.Module):
+    """Vision Transformer from Triton kernels, with timm's forward_features/forward_head split."""
+
+    def __init__(self, config: ViTConfig, *, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        cfg = self.config = config
+        factory = {"device": device, "dtype": dtype}
+        d = cfg.embed_dim
+        self.patch_embed = PatchEmbed(cfg, **factory)
+        pos_len = cfg.num_tokens if cfg.pos_embed_prefix else cfg.num_patches
+        self.pos_embed = nn.Parameter(torch.empty(pos_len, d, **factory))
+        nn.init.trunc_normal_(self.pos_embed, std=0.02)
+        self.prefix_tokens = (
+            nn.Parameter(torch.zeros(cfg.num_prefix_tokens, d, **factory)) if cfg.num_prefix_tokens else None
+        )
+        self.norm_pre = LayerNorm(d, cfg.norm_eps, **factory) if cfg.pre_norm else None
+        self.blocks = nn.ModuleList(Block(cfg, **factory) for _ in range(cfg.depth))
+        self.norm = LayerNorm(d, cfg.norm_eps, **factory) if cfg.final_norm and not cfg.fc_norm else None
+        self.fc_norm = LayerNorm(d, cfg.norm_eps, **factory) if cfg.fc_norm else None
+        self.head = Linear(d, cfg.num_classes, **factory) if cfg.num_classes else None
+
+    def _check_pixels(self, pixels: torch.Tensor) -> None:
+        cfg = self.config
+        size = cfg.image_size
+        expected = f"[B, {cfg.in_chans}, {size}, {size}]"
+        if pixels.dim() != 4:
+            raise ValueError(f"pixels must be 4-D {expected}, got shape {tuple(pixels.shape)}")
+        if pixels.shape[1] != cfg.in_chans:
+            raise ValueError(f"pixels must have {cfg.in_chans} channels {expected}, got shape {tuple(pixels.shape)}")
+        if tuple(pixels.shape[2:]) != (size, size):
+            raise ValueError(f"image size must be {size}x{size} {expected}, got "
+                             f"{pixels.shape[2]}x{pixels.shape[3]}")
+        dtype = self.pos_embed.dtype
+        if pixels.dtype not in (torch.float32, dtype):
+            raise ValueError(f"pixels must be float32 or {dtype} (the model's dtype), got {pixels.dtype}")
+        if pixels.device != self.pos_embed.device:
+            raise ValueError(f"pixels must be on the model's device {self.pos_embed.device}, got {pixels.device}")
+
+    def forward_features(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Tokens [B, T, D] after the blocks and the final norm (HF last_hidden_state)."""
+        self._check_pixels(pixels)
+        pe = self.patch_embed
+        tokens = patch_embed(pixels, pe.weight, pe.bias, self.pos_embed, self.prefix_tokens)
+        batch, num_tokens, d = tokens.shape
+        x = tokens.view(batch * num_tokens, d)
+        if self.norm_pre is not None:
+            x = self.norm_pre(x)
+        for block in self.blocks:
+            x = block(x, batch)
+        if self.norm is not None:
+            x = self.norm(x)
+        return x.view(batch, num_tokens, d)
+
+    def forward_head(self, features: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        """Pool (class token or patch mean), fc_norm, then the classifier unless pre_logits."""
+        if self.config.pool == "token":
+            pooled = features[:, 0]
+        else:
+            pooled = token_mean(features, self.config.num_prefix_tokens)
+        if self.fc_norm is not None:
+            pooled = self.fc_norm(pooled)
+        if pre_logits or self.head is None:
+            return pooled
+        return self.head(pooled)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Logits [B, num_classes] when the model has a head, else the pooled embedding [B, D]."""
+        return self.forward_head(self.forward_features(pixels))
