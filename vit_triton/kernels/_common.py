@@ -30,6 +30,19 @@ def mma(a, b, acc, INPUT_PRECISION: tl.constexpr):
     return tl.dot(a, b, acc)
 
 
+@triton.jit
+def cast(x, dtype: tl.constexpr):
+    """x.to(dtype), rounding to nearest even as the GPU does.
+
+    Triton's interpreter truncates fp32 -> bf16; there the rounding is done on the bits first.
+    """
+    if _INTERPRET and dtype == tl.bfloat16 and x.dtype == tl.float32:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
 def input_precision(dtype: torch.dtype, allow_tf32: bool | None) -> str:
     """'tf32' or 'ieee' for fp32 matmuls; default follows torch.get_float32_matmul_precision()."""
     if allow_tf32 is None:

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_device, check_dtype, check_float, check_shape, input_precision, mma, tune
+from ._common import cast, check_device, check_dtype, check_float, check_shape, input_precision, mma, tune
 
 _LOG2E = 1.4426950408889634
 
@@ -71,14 +71,14 @@ def _attention_kernel(
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptrs, mask=valid_n[:, None] & mask_d[None, :], other=0.0)
-        acc = mma(p.to(v.dtype), v, acc * alpha[:, None], INPUT_PRECISION)
+        acc = mma(cast(p, v.dtype), v, acc * alpha[:, None], INPUT_PRECISION)
         m_i = m_new
         k_ptrs += BLOCK_N * sk_t
         v_ptrs += BLOCK_N * sv_t
 
     o = acc / l_i[:, None]
     o_ptrs = o_ptr + b * so_b + h * so_h + offs_m[:, None] * so_t + offs_d[None, :]
-    tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=(offs_m < T)[:, None] & mask_d[None, :])
+    tl.store(o_ptrs, cast(o, o_ptr.dtype.element_ty), mask=(offs_m < T)[:, None] & mask_d[None, :])
 
 
 def fused_attention(

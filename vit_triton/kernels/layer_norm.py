@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_device, check_dtype, check_float, check_shape
+from ._common import cast, check_device, check_dtype, check_float, check_shape
 
 
 @triton.jit
@@ -34,7 +34,7 @@ def _layer_norm_kernel(
     w = tl.load(w_ptr + cols, mask=mask_d, other=0.0).to(tl.float32)
     b = tl.load(b_ptr + cols, mask=mask_d, other=0.0).to(tl.float32)
     y = diff * rstd[:, None] * w[None, :] + b[None, :]
-    tl.store(y_ptr + rows * stride_ym + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + rows * stride_ym + cols[None, :], cast(y, y_ptr.dtype.element_ty), mask=mask)
 
 
 def layer_norm(

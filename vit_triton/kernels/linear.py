@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_device, check_dtype, check_float, check_shape, input_precision, mma, tune
+from ._common import cast, check_device, check_dtype, check_float, check_shape, input_precision, mma, tune
 
 ACTIVATIONS = ("none", "gelu", "gelu_tanh", "quick_gelu")
 
@@ -101,7 +101,7 @@ def _linear_kernel(
     rows = offs_m[:, None].to(tl.int64)
     if HAS_RESIDUAL:
         acc += tl.load(r_ptr + rows * stride_rm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + rows * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + rows * stride_ym + offs_n[None, :], cast(acc, y_ptr.dtype.element_ty), mask=mask)
 
 
 def linear(

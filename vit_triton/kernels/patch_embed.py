@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_device, check_dtype, check_float, check_shape, input_precision, mma, tune
+from ._common import cast, check_device, check_dtype, check_float, check_shape, input_precision, mma, tune
 
 
 def _config(bm, bn, bk, warps, stages):
@@ -68,7 +68,7 @@ def _patch_embed_kernel(
                         mask=mask_m[:, None] & (k < K)[None, :], other=0.0)
             w = tl.load(w_ptr + offs_n[None, :] * stride_wd + k[:, None],
                         mask=mask_n[None, :] & (k < K)[:, None], other=0.0)
-            acc = mma(a.to(w.dtype), w, acc, INPUT_PRECISION)
+            acc = mma(cast(a, w.dtype), w, acc, INPUT_PRECISION)
         mask = mask_m[:, None] & mask_n[None, :]
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
@@ -76,7 +76,7 @@ def _patch_embed_kernel(
             pos_row = p + NUM_PREFIX if POS_HAS_PREFIX else p
             acc += tl.load(pos_ptr + pos_row[:, None] * D + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
         out_row = b.to(tl.int64) * s_ob + (p + NUM_PREFIX) * s_ot
-        tl.store(out_ptr + out_row[:, None] + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + out_row[:, None] + offs_n[None, :], cast(acc, out_ptr.dtype.element_ty), mask=mask)
     elif HAS_PREFIX:
         # Prefix rows r = b * NUM_PREFIX + j of every image, after the patch tiles.
         offs_m = (pid_m - num_patch_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -88,7 +88,7 @@ def _patch_embed_kernel(
         if HAS_POS and POS_HAS_PREFIX:
             acc += tl.load(pos_ptr + j[:, None] * D + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
         out_row = b.to(tl.int64) * s_ob + j * s_ot
-        tl.store(out_ptr + out_row[:, None] + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + out_row[:, None] + offs_n[None, :], cast(acc, out_ptr.dtype.element_ty), mask=mask)
 
 
 def patch_embed(

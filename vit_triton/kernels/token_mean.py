@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_device, check_float
+from ._common import cast, check_device, check_float
 
 
 @triton.jit
@@ -29,7 +29,7 @@ def _token_mean_kernel(
         mask = (t < T)[:, None] & (cols < D)[None, :]
         acc += tl.load(x_ptr + b * s_xb + t[:, None] * s_xt + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     y = tl.sum(acc, axis=0) / (T - start)
-    tl.store(y_ptr + b * s_yb + cols, y.to(y_ptr.dtype.element_ty), mask=cols < D)
+    tl.store(y_ptr + b * s_yb + cols, cast(y, y_ptr.dtype.element_ty), mask=cols < D)
 
 
 def token_mean(x: torch.Tensor, start: int = 0, *, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -74,3 +74,16 @@ class ViTConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+# Named shapes (timm's names), random weights; "tiny" is sized for Triton's CPU interpreter.
+PRESETS: dict[str, ViTConfig] = {
+    "tiny": ViTConfig(image_size=40, patch_size=8, embed_dim=96, depth=2, num_heads=3, mlp_dim=160,
+                      num_classes=10),
+    "vit_small_patch16_224": ViTConfig(embed_dim=384, num_heads=6, mlp_dim=1536, num_classes=1000),
+    "vit_base_patch16_224": ViTConfig(num_classes=1000),
+    "vit_large_patch16_224": ViTConfig(embed_dim=1024, depth=24, num_heads=16, mlp_dim=4096, num_classes=1000),
+    "vit_large_patch14_clip_336": ViTConfig(image_size=336, patch_size=14, embed_dim=1024, depth=24,
+                                            num_heads=16, mlp_dim=4096, norm_eps=1e-5, pre_norm=True,
+                                            patch_bias=False),
+}

@@ -1,0 +1,1 @@
+"""Measurement: correctness checks against PyTorch, and (later) timing against the peers."""
