@@ -1,0 +1,108 @@
+"""Parity on a CUDA device at real model shapes, with random weights.
+
+google/vit-base-patch16-224 (HF ViTForImageClassification) and vit_large_patch14_clip_336 (timm),
+float32 (tf32 off) / bfloat16 / float16, batch 1 and 64. Features and outputs of vit-triton and
+of the reference model in each dtype are compared with the reference model in float64; the
+DESIGN.md rule applies (fp32 <= 1e-5, 16-bit <= 1.5x the reference's own error). Each row also
+times both forwards (median, CUDA events) as a first look; `vit-triton bench` is the benchmark.
+
+    python scripts/gpu_check.py [--json results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+
+import torch
+import triton.testing
+
+import vit_triton
+from vit_triton.bench.numerics import rel_err, tolerance
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+BATCHES = (1, 64)
+
+
+def _perturb(module: torch.nn.Module) -> torch.nn.Module:
+    """Random weights everywhere: no LayerNorm left at 1, no bias or token at 0."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return module.eval()
+
+
+def hf_vit_base() -> tuple[str, torch.nn.Module, callable, callable]:
+    from transformers import ViTConfig, ViTForImageClassification
+
+    ref = _perturb(ViTForImageClassification(ViTConfig(num_labels=1000)))  # google/vit-base-patch16-224's config
+    return ("google/vit-base-patch16-224", ref, vit_triton.from_hf,
+            lambda m, px: (m.vit(px).last_hidden_state, m(px).logits))
+
+
+def timm_clip_large() -> tuple[str, torch.nn.Module, callable, callable]:
+    import timm
+
+    ref = _perturb(timm.create_model("vit_large_patch14_clip_336", pretrained=False))
+    return ("vit_large_patch14_clip_336", ref, vit_triton.from_timm,
+            lambda m, px: (f := m.forward_features(px), m.forward_head(f)))
+
+
+def check_model(name, ref32, convert, run_ref, rows) -> None:
+    device = torch.device("cuda")
+    ref32 = ref32.to(device)
+    ref64 = copy.deepcopy(ref32).double()
+    size = ref32.config.image_size if hasattr(ref32, "config") else ref32.patch_embed.img_size[0]
+    for batch in BATCHES:
+        px = torch.randn(batch, 3, size, size, device=device)
+        with torch.inference_mode():
+            want = run_ref(ref64, px.double())
+        for dtype in DTYPES:
+            ref = copy.deepcopy(ref32).to(dtype)
+            ours = convert(ref)
+            x = px.to(dtype)
+            with torch.inference_mode():
+                got = (ours.forward_features(x), ours(x))
+                theirs = run_ref(ref, x)
+                ms_ours = triton.testing.do_bench(lambda: ours(x), warmup=50, rep=200, return_mode="median")
+                ms_ref = triton.testing.do_bench(lambda: run_ref(ref, x)[1], warmup=50, rep=200, return_mode="median")
+            for what, g, t, w in zip(("features", "output"), got, theirs, want):
+                err, ref_err = rel_err(g, w), rel_err(t, w)
+                tol = tolerance(dtype, ref_err)
+                rows.append(dict(model=name, batch=batch, dtype=str(dtype).removeprefix("torch."), what=what,
+                                 err=err, ref_err=ref_err, tol=tol, ok=err <= tol,
+                                 ms_ours=ms_ours, ms_ref=ms_ref))
+                r = rows[-1]
+                print(f"{name:28s} b={batch:<3d} {r['dtype']:9s} {what:8s} err {err:.2e}  ref {ref_err:.2e}  "
+                      f"tol {tol:.2e}  {'ok' if r['ok'] else 'FAIL'}   ours {ms_ours:8.3f} ms  ref {ms_ref:8.3f} ms",
+                      flush=True)
+            del ref, ours
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write the rows here as JSON")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_check needs a CUDA device", file=sys.stderr)
+        return 2
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.manual_seed(0)
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    rows: list[dict] = []
+    for make in (hf_vit_base, timm_clip_large):
+        check_model(*make(), rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                           triton=triton.__version__, rows=rows), f, indent=1)
+    failed = [r for r in rows if not r["ok"]]
+    print(f"{len(rows) - len(failed)}/{len(rows)} within tolerance")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""The ViT module: parity with the PyTorch reference over config variants, and bad input."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.numerics import DEVICE, assert_close, randomize_
+from vit_triton.model import ViT, ViTConfig
+from vit_triton.model.reference import reference_forward
+
+SMALL = dict(image_size=24, patch_size=8, embed_dim=64, depth=2, num_heads=2, mlp_dim=96)
+
+VARIANTS = {
+    "cls-head": dict(num_classes=5),
+    "avg-fc_norm-registers": dict(pool="avg", fc_norm=True, reg_tokens=3, num_classes=4, act="gelu_tanh"),
+    "clip-pre_norm-no_patch_bias": dict(pre_norm=True, patch_bias=False, act="quick_gelu", norm_eps=1e-5),
+    "no-class-no_embed_class": dict(class_token=False, pool="avg", pos_embed_prefix=False, reg_tokens=1,
+                                    qkv_bias=False, final_norm=False),
+}
+
+
+def _model(dtype, **kw) -> ViT:
+    return randomize_(ViT(ViTConfig(**SMALL, **kw), device=DEVICE)).to(dtype).eval()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_forward_matches_reference(variant, dtype):
+    model = _model(dtype, **VARIANTS[variant])
+    cfg = model.config
+    pixels = torch.randn(3, 3, cfg.image_size, cfg.image_size, device=DEVICE).to(dtype)
+    params = {k: v for k, v in model.state_dict().items()}
+    params64 = {k: v.double() for k, v in params.items()}
+    for features_only, ours in ((True, model.forward_features(pixels)), (False, model(pixels))):
+        ref = reference_forward(cfg, params64, pixels.double(), features_only)
+        theirs = reference_forward(cfg, params, pixels, features_only)
+        assert_close(ours, ref, dtype, theirs)
+    assert model(pixels).shape == (3, cfg.num_classes or cfg.embed_dim)
+
+
+def test_float32_pixels_into_a_bf16_model():
+    model = _model(torch.bfloat16, num_classes=3)
+    pixels = torch.randn(2, 3, 24, 24, device=DEVICE)
+    assert_close(model(pixels), model(pixels.bfloat16()), torch.float32)
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, match",
+    [
+        ((3, 24, 24), torch.float32, r"4-D \[B, 3, 24, 24\]"),
+        ((1, 1, 24, 24), torch.float32, r"3 channels"),
+        ((1, 3, 32, 24), torch.float32, r"image size must be 24x24"),
+        ((1, 3, 24, 24), torch.float64, r"float32 or torch.float16"),
+        ((1, 3, 24, 24), torch.uint8, r"float32 or torch.float16"),
+    ],
+)
+def test_bad_pixels(shape, dtype, match):
+    model = _model(torch.float16)
+    with pytest.raises(ValueError, match=match):
+        model(torch.zeros(shape, dtype=dtype, device=DEVICE))
+
+
+def test_pixels_on_another_device():
+    model = _model(torch.float32)
+    with pytest.raises(ValueError, match="model's device"):
+        model(torch.randn(1, 3, 24, 24, device="meta"))
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(image_size=30), "multiple of patch_size 8"),
+    (dict(num_heads=3), "multiple of num_heads 3"),
+    (dict(act="relu"), "act must be one of"),
+    (dict(pool="max"), "pool must be one of"),
+    (dict(class_token=False), "needs class_token=True"),
+])
+def test_bad_config(kw, match):
+    with pytest.raises(ValueError, match=match):
+        ViTConfig(**{**SMALL, **kw})
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="the CPU-without-interpreter error needs a machine without CUDA")
+def test_cpu_without_interpreter_is_a_clear_error():
+    code = ("import torch, vit_triton\n"
+            "m = vit_triton.ViT(vit_triton.ViTConfig(image_size=16, patch_size=8, embed_dim=32, depth=1, "
+            "num_heads=1, mlp_dim=32))\n"
+            "m(torch.randn(1, 3, 16, 16))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert result.returncode != 0
+    assert "ValueError: CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1" in result.stderr
