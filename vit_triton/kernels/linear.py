@@ -20,8 +20,8 @@ from ._common import cast, check_device, check_dtype, check_float, check_shape, 
 
 ACTIVATIONS = ("none", "gelu", "gelu_tanh", "quick_gelu")
 
-_SQRT_HALF = 0.7071067811865476
-_SQRT_2_OVER_PI = 0.7978845608028654
+_SQRT_HALF = tl.constexpr(0.7071067811865476)
+_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 
 
 @triton.jit

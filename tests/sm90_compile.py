@@ -1,0 +1,76 @@
+"""Compile every kernel for Hopper (sm_90) on a machine without a GPU; run as a script.
+
+The interpreter executes kernels as Python and accepts code that Triton's compiler rejects (a
+non-constexpr global, say); this compiles each kernel's first autotune config for every dtype
+and epilogue through to a cubin, and prints how many Hopper wgmma instructions each PTX holds.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+from vit_triton.kernels.attention import _attention_kernel  # noqa: E402
+from vit_triton.kernels.layer_norm import _layer_norm_kernel  # noqa: E402
+from vit_triton.kernels.linear import ACTIVATIONS, _linear_kernel  # noqa: E402
+from vit_triton.kernels.patch_embed import _patch_embed_kernel  # noqa: E402
+from vit_triton.kernels.token_mean import _token_mean_kernel  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+FLOAT_ARGS = {"eps", "qk_scale"}
+
+
+def compile_kernel(kernel, dtype: str, options: dict, constexprs: dict) -> str:
+    """PTX of `kernel` (a JITFunction or an Autotuner, whose first config is used) for sm_90.
+
+    Pointer arguments (named *_ptr) get `dtype` ("tf32" means fp32 pointers), integers i32."""
+    if isinstance(kernel, triton.runtime.Autotuner):
+        config = kernel.configs[0]
+        constexprs = {**constexprs, **config.kwargs}
+        options = {"num_warps": config.num_warps, "num_stages": config.num_stages, **options}
+        kernel = kernel.fn
+    signature = {}
+    for p in kernel.params:
+        if p.is_constexpr:
+            signature[p.name] = "constexpr"
+        elif p.name.endswith("_ptr"):
+            signature[p.name] = "*fp32" if dtype == "tf32" else f"*{dtype}"
+        else:
+            signature[p.name] = "fp32" if p.name in FLOAT_ARGS else "i32"
+    index = {p.name: (i,) for i, p in enumerate(kernel.params)}
+    src = triton.compiler.ASTSource(fn=kernel, signature=signature,
+                                    constexprs={index[k]: v for k, v in constexprs.items()})
+    return triton.compile(src, target=TARGET, options=options).asm["ptx"]
+
+
+def cases():
+    """(name, kernel, dtype, options, constexprs): each dtype once, each epilogue flag once in bf16."""
+    epilogues = [(True, "none", False)] + [(b, act, not b) for act in ACTIVATIONS[1:] for b in (True, False)][:4]
+    for dtype in ("fp32", "bf16", "fp16"):
+        for bias, act, res in epilogues if dtype == "bf16" else [(True, "gelu", True)]:
+            yield ("linear", _linear_kernel, dtype, {}, dict(
+                HAS_BIAS=bias, ACT=act, HAS_RESIDUAL=res, INPUT_PRECISION="ieee"))
+        yield ("fused_attention", _attention_kernel, dtype, {}, dict(HEAD_DIM=80, BLOCK_D=128, INPUT_PRECISION="ieee"))
+        yield ("patch_embed", _patch_embed_kernel, dtype, {}, dict(
+            PATCH=16, HAS_BIAS=True, HAS_PREFIX=True, HAS_POS=True, POS_HAS_PREFIX=dtype != "fp16",
+            INPUT_PRECISION="ieee"))
+        yield ("layer_norm", _layer_norm_kernel, dtype, {"num_warps": 8}, dict(BLOCK_M=4, BLOCK_D=1024))
+        yield ("token_mean", _token_mean_kernel, dtype, {"num_warps": 4}, dict(BLOCK_T=16, BLOCK_D=256))
+    yield ("linear", _linear_kernel, "tf32", {}, dict(HAS_BIAS=True, ACT="gelu", HAS_RESIDUAL=False,
+                                                       INPUT_PRECISION="tf32"))
+    yield ("fused_attention", _attention_kernel, "tf32", {}, dict(HEAD_DIM=64, BLOCK_D=64, INPUT_PRECISION="tf32"))
+
+
+def main() -> None:
+    for name, kernel, dtype, options, constexprs in cases():
+        ptx = compile_kernel(kernel, dtype, options, constexprs)
+        print(f"{name} {dtype} wgmma={ptx.count('wgmma.mma_async')}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,21 @@
+"""Every kernel compiles for the H100 (sm_90) and its matrix products use Hopper's wgmma."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_kernels_compile_for_sm90_with_wgmma():
+    script = Path(__file__).with_name("sm90_compile.py")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            cwd=script.parent.parent)
+    assert result.returncode == 0, result.stderr[-5000:]
+    counts = {}
+    for line in result.stdout.splitlines():
+        name, dtype, wgmma = line.rsplit(" ", 2)
+        counts.setdefault((name, dtype), []).append(int(wgmma.removeprefix("wgmma=")))
+    assert len(counts) == 17, sorted(counts)
+    for (name, dtype), found in counts.items():
+        # Tensor-core kernels in 16-bit and tf32 must use wgmma; exact fp32 and row kernels none.
+        uses_tensor_cores = name in ("linear", "fused_attention", "patch_embed") and dtype != "fp32"
+        assert all(n > 0 for n in found) if uses_tensor_cores else all(n == 0 for n in found), (name, dtype, found)
