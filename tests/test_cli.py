@@ -8,11 +8,11 @@ from vit_triton.cli import main
 def test_verify_prints_errors_and_times(capsys):
     assert main(["verify", "--dtypes", "fp32,bf16", "--batch-size", "1"]) == 0
     out = capsys.readouterr().out
-    for name in ("patch_embed", "layer_norm", "linear qkv", "fused_attention", "linear fc1", "linear fc2",
-                 "model forward"):
+    for name in ("patch_embed", "layer_norm final", "linear qkv", "fused_attention", "linear proj +res",
+                 "linear fc1 +gelu", "linear fc2 +res", "linear head", "model forward"):
         assert out.count(name) == 2, name
     assert "FAIL" not in out
-    assert "all 14 checks within tolerance" in out
+    assert "all 20 checks within tolerance" in out
     assert "time per batch of 1" in out and "images/s" in out
 
 

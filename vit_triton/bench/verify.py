@@ -12,12 +12,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from ..kernels import fused_attention, layer_norm, linear, patch_embed
 from ..model import ViT, ViTConfig
-from ..model.reference import activation, reference_forward
+from ..model.reference import reference_forward
 from .numerics import rel_err, tolerance
+from .workloads import forward_workloads
 
 
 @dataclass
@@ -43,48 +42,10 @@ def _compare(name: str, shape: str, ours: Callable, reference: Callable, *inputs
     return Check(name, dtype, shape, rel_err(out, ref), torch_err, tolerance(dtype, torch_err))
 
 
-def _attention_ref(qkv: torch.Tensor) -> torch.Tensor:
-    q, k, v = qkv.permute(2, 0, 3, 1, 4)
-    return F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
-
-
-def _patch_embed_ref(px, w, b, pos, pre):
-    x = F.conv2d(px, w, b, stride=w.shape[-1]).flatten(2).transpose(1, 2)
-    return torch.cat([pre.expand(x.shape[0], -1, -1), x], dim=1) + pos
-
-
 def kernel_checks(cfg: ViTConfig, batch: int, dtype: torch.dtype, device: torch.device) -> list[Check]:
     """Each kernel at the shapes of one forward pass of `cfg` at `batch` images."""
-    d, f, t, h = cfg.embed_dim, cfg.mlp_dim, cfg.num_tokens, cfg.num_heads
-    m = batch * t
-
-    def rand(*shape, scale=1.0):
-        return (torch.randn(*shape, device=device) * scale).to(dtype)
-
-    x, w_ln, b_ln = rand(m, d, scale=2.0), rand(d, scale=0.5) + 1, rand(d)
-    s = cfg.patch_size
-    px = torch.randn(batch, cfg.in_chans, cfg.image_size, cfg.image_size, device=device).to(dtype)
-    return [
-        _compare("patch_embed", f"{batch}x{cfg.in_chans}x{cfg.image_size}^2 -> {t}x{d}",
-                 patch_embed, _patch_embed_ref,
-                 px, rand(d, cfg.in_chans, s, s, scale=(cfg.in_chans * s * s) ** -0.5), rand(d),
-                 rand(t, d), rand(cfg.num_prefix_tokens, d)),
-        _compare("layer_norm", f"{m}x{d}",
-                 lambda x, w, b: layer_norm(x, w, b, cfg.norm_eps),
-                 lambda x, w, b: F.layer_norm(x, (d,), w, b, cfg.norm_eps), x, w_ln, b_ln),
-        _compare("linear qkv +bias", f"{m}x{d} @ {d}x{3 * d}",
-                 lambda x, w, b: linear(x, w, b), F.linear, x, rand(3 * d, d, scale=d ** -0.5), rand(3 * d)),
-        _compare("fused_attention", f"{batch}x{h}x{t}x{cfg.head_dim}",
-                 lambda qkv: fused_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]), _attention_ref,
-                 rand(batch, t, 3, h, cfg.head_dim)),
-        _compare(f"linear fc1 +bias +{cfg.act}", f"{m}x{d} @ {d}x{f}",
-                 lambda x, w, b: linear(x, w, b, activation=cfg.act),
-                 lambda x, w, b: activation(F.linear(x, w, b), cfg.act), x, rand(f, d, scale=d ** -0.5), rand(f)),
-        _compare("linear fc2 +bias +residual", f"{m}x{f} @ {f}x{d}",
-                 lambda x, w, b, r: linear(x, w, b, residual=r),
-                 lambda x, w, b, r: F.linear(x, w, b) + r,
-                 rand(m, f), rand(d, f, scale=f ** -0.5), rand(d), x),
-    ]
+    return [_compare(w.cost.name, w.cost.shape, w.ours, w.torch, *w.inputs)
+            for w in forward_workloads(cfg, batch, dtype, device)]
 
 
 def random_model(cfg: ViTConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> ViT:
