@@ -1,0 +1,93 @@
+"""HuggingFace transformers ViT (ViTModel, ViTForImageClassification) -> vit-triton.
+
+Keys come in two spellings: the hub's (transformers 4: encoder.layer.N.attention.attention.query,
+intermediate.dense, output.dense, ...) and transformers 5's (layers.N.attention.q_proj, mlp.fc1,
+...). Both map here. q, k and v are concatenated into one QKV weight; ViTModel's pooler
+(dense + tanh over the class token) is not part of our forward, which returns the class token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..model import ViT, ViTConfig
+from ._common import build, check_state_dict, rename
+
+_ACTIVATIONS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
+                "quick_gelu": "quick_gelu"}
+
+_LAYER = r"(?:encoder\.layer|layers)\.(\d+)\."
+_RULES = [
+    (r"embeddings\.cls_token", "prefix_tokens"),
+    (r"embeddings\.position_embeddings", "pos_embed"),
+    (r"embeddings\.patch_embeddings\.projection\.(weight|bias)", r"patch_embed.\1"),
+    (_LAYER + r"attention\.(?:attention\.)?(?:query|q_proj)\.(weight|bias)", r"blocks.\1.q.\2"),
+    (_LAYER + r"attention\.(?:attention\.)?(?:key|k_proj)\.(weight|bias)", r"blocks.\1.k.\2"),
+    (_LAYER + r"attention\.(?:attention\.)?(?:value|v_proj)\.(weight|bias)", r"blocks.\1.v.\2"),
+    (_LAYER + r"attention\.(?:output\.dense|o_proj)\.(weight|bias)", r"blocks.\1.proj.\2"),
+    (_LAYER + r"layernorm_before\.(weight|bias)", r"blocks.\1.norm1.\2"),
+    (_LAYER + r"layernorm_after\.(weight|bias)", r"blocks.\1.norm2.\2"),
+    (_LAYER + r"(?:intermediate\.dense|mlp\.fc1)\.(weight|bias)", r"blocks.\1.fc1.\2"),
+    (_LAYER + r"(?:output\.dense|mlp\.fc2)\.(weight|bias)", r"blocks.\1.fc2.\2"),
+    (r"layernorm\.(weight|bias)", r"norm.\1"),
+    (r"classifier\.(weight|bias)", r"head.\1"),
+]
+_UNUSED = (r"pooler\.dense\.(weight|bias)",)
+
+
+def _strip(key: str) -> str:
+    return key.removeprefix("vit.")
+
+
+def hf_config_to_vit(config: dict, num_classes: int = 0) -> ViTConfig:
+    """ViTConfig from a transformers ViT config (config.json as a dict); the head size is separate."""
+    if config.get("model_type") != "vit":
+        raise ValueError(f"unsupported HuggingFace model_type {config.get('model_type')!r}; supported: 'vit'")
+    act = config.get("hidden_act", "gelu")
+    if act not in _ACTIVATIONS:
+        raise ValueError(f"unsupported hidden_act {act!r}; supported: {', '.join(_ACTIVATIONS)}")
+    return ViTConfig(
+        image_size=config["image_size"], patch_size=config["patch_size"], in_chans=config.get("num_channels", 3),
+        embed_dim=config["hidden_size"], depth=config["num_hidden_layers"],
+        num_heads=config["num_attention_heads"], mlp_dim=config["intermediate_size"],
+        qkv_bias=config.get("qkv_bias", True), norm_eps=config.get("layer_norm_eps", 1e-12),
+        act=_ACTIVATIONS[act], num_classes=num_classes,
+    )
+
+
+def hf_num_classes(state_dict: dict[str, torch.Tensor]) -> int:
+    """Rows of the classifier (ViTForImageClassification), 0 for a bare ViTModel."""
+    head = state_dict.get("classifier.weight")
+    return 0 if head is None else head.shape[0]
+
+
+def hf_state_dict_to_vit(state_dict: dict[str, torch.Tensor], cfg: ViTConfig) -> dict[str, torch.Tensor]:
+    """Our state dict from a HF ViT one (either key spelling); raises listing every mismatch."""
+    stripped = {_strip(k): v for k, v in state_dict.items()}
+    mapping = rename(stripped, _RULES)
+    unused = set(rename(stripped, [(p, "") for p in _UNUSED]))
+    out = {mapping[k]: v for k, v in stripped.items() if k in mapping}
+    if "prefix_tokens" in out:
+        out["prefix_tokens"] = out["prefix_tokens"].reshape(-1, cfg.embed_dim)
+    if "pos_embed" in out:
+        out["pos_embed"] = out["pos_embed"].reshape(-1, cfg.embed_dim)
+    for i in range(cfg.depth):
+        for part in ("weight", "bias"):
+            qkv = [out.pop(f"blocks.{i}.{n}.{part}", None) for n in "qkv"]
+            if all(t is not None for t in qkv):
+                out[f"blocks.{i}.qkv.{part}"] = torch.cat(qkv)
+            else:
+                out.update({f"blocks.{i}.{n}.{part}": t for n, t in zip("qkv", qkv) if t is not None})
+    check_state_dict(cfg, out, "HuggingFace ViT", unmapped=set(stripped) - set(mapping) - unused)
+    return out
+
+
+def from_hf(module: torch.nn.Module) -> ViT:
+    """vit-triton model with the weights, device and dtype of a transformers ViTModel or
+    ViTForImageClassification."""
+    if type(module).__name__ not in ("ViTModel", "ViTForImageClassification"):
+        raise ValueError(f"from_hf takes a transformers ViTModel or ViTForImageClassification, "
+                         f"got {type(module).__name__}")
+    state_dict = module.state_dict()
+    cfg = hf_config_to_vit(module.config.to_dict(), hf_num_classes(state_dict))
+    return build(cfg, hf_state_dict_to_vit(state_dict, cfg), next(module.parameters()))

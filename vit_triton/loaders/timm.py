@@ -1,0 +1,91 @@
+"""timm VisionTransformer -> vit-triton.
+
+timm's names are ours but for the nesting (attn.qkv -> qkv, mlp.fc1 -> fc1, patch_embed.proj ->
+patch_embed), the prefix tokens (cls_token and reg_token become the rows of prefix_tokens) and
+the leading batch dimension of pos_embed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..model import ViT, ViTConfig
+from ._common import build, check_state_dict, rename
+
+_RULES = [
+    (r"patch_embed\.proj\.(weight|bias)", r"patch_embed.\1"),
+    (r"(cls_token|reg_token|pos_embed)", r"\1"),
+    (r"blocks\.(\d+)\.attn\.(qkv|proj)\.(weight|bias)", r"blocks.\1.\2.\3"),
+    (r"blocks\.(\d+)\.mlp\.(fc1|fc2)\.(weight|bias)", r"blocks.\1.\2.\3"),
+    (r"(blocks\.\d+\.norm[12]|norm_pre|norm|fc_norm|head)\.(weight|bias)", r"\1.\2"),
+]
+_POOLS = ("token", "avg")
+
+
+def _activation(act: nn.Module) -> str:
+    name = type(act).__name__
+    if name == "GELU":
+        return "gelu_tanh" if getattr(act, "approximate", "none") == "tanh" else "gelu"
+    if name in ("GELUTanh", "QuickGELU"):
+        return {"GELUTanh": "gelu_tanh", "QuickGELU": "quick_gelu"}[name]
+    raise ValueError(f"unsupported timm activation {name}; supported: GELU, GELUTanh, QuickGELU")
+
+
+def _is_layer_norm(m: nn.Module) -> bool:
+    return isinstance(m, nn.LayerNorm)
+
+
+def timm_config_to_vit(module: nn.Module) -> ViTConfig:
+    """ViTConfig of a timm VisionTransformer; ValueError naming any feature we do not support."""
+    if type(module).__name__ != "VisionTransformer":
+        raise ValueError(f"from_timm takes a timm VisionTransformer, got {type(module).__name__}")
+    block = module.blocks[0]
+    pe = module.patch_embed
+    unsupported = {
+        f"global_pool {module.global_pool!r} (supported: {', '.join(_POOLS)})": module.global_pool not in _POOLS,
+        "attention pooling (attn_pool)": getattr(module, "attn_pool", None) is not None,
+        "layer scale (init_values)": not isinstance(getattr(block, "ls1", nn.Identity()), nn.Identity),
+        "qk_norm": not isinstance(getattr(block.attn, "q_norm", nn.Identity()), nn.Identity),
+        "attention or MLP scale norms": not isinstance(getattr(block.attn, "norm", nn.Identity()), nn.Identity)
+        or not isinstance(getattr(block.mlp, "norm", nn.Identity()), nn.Identity),
+        f"block type {type(block).__name__} (supported: Block)": type(block).__name__ != "Block",
+        f"MLP type {type(block.mlp).__name__} (supported: Mlp)": type(block.mlp).__name__ != "Mlp",
+        "dynamic_img_size": getattr(module, "dynamic_img_size", False),
+        "no position embedding": module.pos_embed is None,
+        "a norm layer in the patch embedding": not isinstance(getattr(pe, "norm", nn.Identity()), nn.Identity),
+        "pool_include_prefix": getattr(module, "pool_include_prefix", False),
+        "non-square images or patches": pe.img_size[0] != pe.img_size[1] or pe.patch_size[0] != pe.patch_size[1],
+    }
+    found = [what for what, present in unsupported.items() if present]
+    if found:
+        raise ValueError(f"unsupported timm VisionTransformer feature: {'; '.join(found)}")
+    return ViTConfig(
+        image_size=pe.img_size[0], patch_size=pe.patch_size[0], in_chans=pe.proj.in_channels,
+        embed_dim=module.embed_dim, depth=len(module.blocks), num_heads=block.attn.num_heads,
+        mlp_dim=block.mlp.fc1.out_features, qkv_bias=block.attn.qkv.bias is not None, norm_eps=block.norm1.eps,
+        act=_activation(block.mlp.act), class_token=module.cls_token is not None,
+        reg_tokens=module.num_reg_tokens, pos_embed_prefix=not module.no_embed_class,
+        patch_bias=pe.proj.bias is not None, pre_norm=_is_layer_norm(module.norm_pre),
+        final_norm=_is_layer_norm(module.norm) or _is_layer_norm(module.fc_norm),
+        fc_norm=_is_layer_norm(module.fc_norm), pool=module.global_pool, num_classes=module.num_classes,
+    )
+
+
+def timm_state_dict_to_vit(state_dict: dict[str, torch.Tensor], cfg: ViTConfig) -> dict[str, torch.Tensor]:
+    """Our state dict from a timm VisionTransformer one; raises listing every mismatch."""
+    mapping = rename(state_dict, _RULES)
+    out = {mapping[k]: v for k, v in state_dict.items() if k in mapping}
+    prefix = [out.pop(k).reshape(-1, cfg.embed_dim) for k in ("cls_token", "reg_token") if k in out]
+    if prefix:
+        out["prefix_tokens"] = torch.cat(prefix)
+    if "pos_embed" in out:
+        out["pos_embed"] = out["pos_embed"].reshape(-1, cfg.embed_dim)
+    check_state_dict(cfg, out, "timm VisionTransformer", unmapped=set(state_dict) - set(mapping))
+    return out
+
+
+def from_timm(module: nn.Module) -> ViT:
+    """vit-triton model with the weights, device and dtype of a timm VisionTransformer."""
+    cfg = timm_config_to_vit(module)
+    return build(cfg, timm_state_dict_to_vit(module.state_dict(), cfg), next(module.parameters()))
