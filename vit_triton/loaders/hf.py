@@ -17,7 +17,8 @@ _ACTIVATIONS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "g
                 "quick_gelu": "quick_gelu"}
 
 _LAYER = r"(?:encoder\.layer|layers)\.(\d+)\."
-_RULES = [
+# ViTForImageClassification nests the model under "vit."; a bare ViTModel does not.
+_RULES = [(r"(?:vit\.)?" + pattern, repl) for pattern, repl in [
     (r"embeddings\.cls_token", "prefix_tokens"),
     (r"embeddings\.position_embeddings", "pos_embed"),
     (r"embeddings\.patch_embeddings\.projection\.(weight|bias)", r"patch_embed.\1"),
@@ -30,13 +31,8 @@ _RULES = [
     (_LAYER + r"(?:intermediate\.dense|mlp\.fc1)\.(weight|bias)", r"blocks.\1.fc1.\2"),
     (_LAYER + r"(?:output\.dense|mlp\.fc2)\.(weight|bias)", r"blocks.\1.fc2.\2"),
     (r"layernorm\.(weight|bias)", r"norm.\1"),
-    (r"classifier\.(weight|bias)", r"head.\1"),
-]
-_UNUSED = (r"pooler\.dense\.(weight|bias)",)
-
-
-def _strip(key: str) -> str:
-    return key.removeprefix("vit.")
+]] + [(r"classifier\.(weight|bias)", r"head.\1")]
+_UNUSED = [(r"(?:vit\.)?pooler\.dense\.(weight|bias)", "")]
 
 
 def hf_config_to_vit(config: dict, num_classes: int = 0) -> ViTConfig:
@@ -63,10 +59,8 @@ def hf_num_classes(state_dict: dict[str, torch.Tensor]) -> int:
 
 def hf_state_dict_to_vit(state_dict: dict[str, torch.Tensor], cfg: ViTConfig) -> dict[str, torch.Tensor]:
     """Our state dict from a HF ViT one (either key spelling); raises listing every mismatch."""
-    stripped = {_strip(k): v for k, v in state_dict.items()}
-    mapping = rename(stripped, _RULES)
-    unused = set(rename(stripped, [(p, "") for p in _UNUSED]))
-    out = {mapping[k]: v for k, v in stripped.items() if k in mapping}
+    mapping = rename(state_dict, _RULES)
+    out = {mapping[k]: v for k, v in state_dict.items() if k in mapping}
     if "prefix_tokens" in out:
         out["prefix_tokens"] = out["prefix_tokens"].reshape(-1, cfg.embed_dim)
     if "pos_embed" in out:
@@ -78,7 +72,8 @@ def hf_state_dict_to_vit(state_dict: dict[str, torch.Tensor], cfg: ViTConfig) ->
                 out[f"blocks.{i}.qkv.{part}"] = torch.cat(qkv)
             else:
                 out.update({f"blocks.{i}.{n}.{part}": t for n, t in zip("qkv", qkv) if t is not None})
-    check_state_dict(cfg, out, "HuggingFace ViT", unmapped=set(stripped) - set(mapping) - unused)
+    unused = rename(state_dict, _UNUSED)
+    check_state_dict(cfg, out, "HuggingFace ViT", unmapped=set(state_dict) - set(mapping) - set(unused))
     return out
 
 

@@ -1,0 +1,157 @@
+"""from_hf and from_timm: parity with the reference models, both HF key spellings, and errors."""
+
+import copy
+import re
+from functools import partial
+
+import pytest
+import timm
+import torch
+import transformers
+from timm.models.vision_transformer import VisionTransformer
+
+from tests.numerics import DEVICE, assert_close, randomize_
+from vit_triton import from_hf, from_timm
+from vit_triton.loaders import hf_config_to_vit, hf_num_classes, hf_state_dict_to_vit, timm_config_to_vit
+
+TINY_HF = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=96,
+               image_size=24, patch_size=8)
+TINY_TIMM = dict(img_size=24, patch_size=8, embed_dim=64, depth=2, num_heads=2, mlp_ratio=1.5)
+
+
+def _check_parity(ref: torch.nn.Module, run_ref, convert, dtype: torch.dtype, size: int = 24,
+                  in_chans: int = 3) -> None:
+    """Features and outputs of convert(ref) against ref in float64, in `dtype` (16-bit: vs ref in dtype)."""
+    ref = randomize_(ref).to(DEVICE).eval()
+    ref64 = copy.deepcopy(ref).double()
+    ref_lp = ref.to(dtype)
+    ours = convert(ref_lp)
+    assert next(ours.parameters()).dtype == dtype and next(ours.parameters()).device.type == DEVICE.type
+    pixels = torch.randn(3, in_chans, size, size, device=DEVICE)
+    with torch.no_grad():
+        want, theirs = run_ref(ref64, pixels.double()), run_ref(ref_lp, pixels.to(dtype))
+        got = (ours.forward_features(pixels.to(dtype)), ours(pixels.to(dtype)))
+    for g, t, w in zip(got, theirs, want):
+        assert_close(g, w, dtype, t)
+
+
+def _hf_outputs(model, pixels):
+    if isinstance(model, transformers.ViTForImageClassification):
+        return model.vit(pixels).last_hidden_state, model(pixels).logits
+    features = model(pixels).last_hidden_state
+    return features, features[:, 0]
+
+
+HF_VARIANTS = {
+    "classifier": (transformers.ViTForImageClassification, dict(num_labels=5)),
+    "model-no-qkv-bias-tanh": (transformers.ViTModel, dict(qkv_bias=False, hidden_act="gelu_pytorch_tanh",
+                                                            layer_norm_eps=1e-6)),
+    "classifier-quick-gelu": (transformers.ViTForImageClassification,
+                              dict(num_labels=3, hidden_act="quick_gelu", num_channels=1)),
+}
+
+
+@pytest.mark.parametrize("variant, dtype", [(v, torch.float32) for v in HF_VARIANTS] + [("classifier", torch.bfloat16)])
+def test_from_hf_matches_transformers(variant, dtype):
+    cls, kw = HF_VARIANTS[variant]
+    cfg = transformers.ViTConfig(**TINY_HF, **kw)
+    _check_parity(cls(cfg), _hf_outputs, from_hf, dtype, cfg.image_size, cfg.num_channels)
+
+
+def _old_hf_spelling(key: str) -> str:
+    """transformers 5 key -> the hub's transformers-4 spelling (the inverse of its renaming)."""
+    for new, old in ((r"layers\.(\d+)\.", r"encoder.layer.\1."), (r"attention\.q_proj", "attention.attention.query"),
+                     (r"attention\.k_proj", "attention.attention.key"),
+                     (r"attention\.v_proj", "attention.attention.value"),
+                     (r"attention\.o_proj", "attention.output.dense"), (r"mlp\.fc1", "intermediate.dense"),
+                     (r"mlp\.fc2", "output.dense")):
+        key = re.sub(new, old, key)
+    return key
+
+
+def test_hub_key_spelling_maps_to_the_same_weights():
+    model = randomize_(transformers.ViTForImageClassification(transformers.ViTConfig(**TINY_HF, num_labels=4)))
+    sd = model.state_dict()
+    old = {_old_hf_spelling(k): v for k, v in sd.items()}
+    assert any(".encoder.layer.0.attention.attention.query.weight" in k for k in old)
+    cfg = hf_config_to_vit(model.config.to_dict(), hf_num_classes(sd))
+    ours_new, ours_old = hf_state_dict_to_vit(sd, cfg), hf_state_dict_to_vit(old, cfg)
+    assert ours_new.keys() == ours_old.keys()
+    for k in ours_new:
+        assert torch.equal(ours_new[k], ours_old[k]), k
+    q, k, v = (sd[f"vit.layers.1.attention.{n}_proj.weight"] for n in "qkv")
+    assert torch.equal(ours_new["blocks.1.qkv.weight"], torch.cat([q, k, v]))
+
+
+TIMM_VARIANTS = {
+    "token-head": dict(num_classes=5),
+    "avg-fc_norm-registers-no_embed_class": dict(global_pool="avg", reg_tokens=2, no_embed_class=True, num_classes=3),
+    "clip-pre_norm-quickgelu-no-head": dict(pre_norm=True, act_layer="quick_gelu", num_classes=0,
+                                            norm_layer=partial(torch.nn.LayerNorm, eps=1e-5)),
+    "no-class-token-tanh-no-qkv-bias": dict(class_token=False, global_pool="avg", act_layer="gelu_tanh",
+                                             qkv_bias=False, num_classes=2),
+    "token-no-final-norm": dict(final_norm=False, num_classes=0),
+}
+
+
+@pytest.mark.parametrize("variant, dtype", [(v, torch.float32) for v in TIMM_VARIANTS]
+                         + [(v, torch.bfloat16) for v in list(TIMM_VARIANTS)[:2]])
+def test_from_timm_matches_timm(variant, dtype):
+    def run(m, px):
+        f = m.forward_features(px)
+        return f, m.forward_head(f)
+    _check_parity(VisionTransformer(**TINY_TIMM, **TIMM_VARIANTS[variant]), run, from_timm, dtype)
+
+
+def test_timm_factory_model_config():
+    model = timm.create_model("vit_large_patch14_clip_336", pretrained=False, depth=1)
+    cfg = timm_config_to_vit(model)
+    assert (cfg.image_size, cfg.patch_size, cfg.embed_dim, cfg.num_heads, cfg.mlp_dim) == (336, 14, 1024, 16, 4096)
+    assert cfg.pre_norm and not cfg.patch_bias and cfg.norm_eps == 1e-5 and cfg.num_classes == 1000
+
+
+def _hf_state_dict():
+    model = transformers.ViTForImageClassification(transformers.ViTConfig(**TINY_HF, num_labels=4))
+    sd = dict(model.state_dict())
+    return sd, hf_config_to_vit(model.config.to_dict(), 4)
+
+
+def test_mismatched_checkpoint_lists_every_problem():
+    sd, cfg = _hf_state_dict()
+    del sd["vit.layers.1.mlp.fc2.bias"]
+    sd["vit.layers.0.extra.weight"] = torch.zeros(1)
+    sd["classifier.weight"] = torch.zeros(4, 63)
+    with pytest.raises(ValueError) as err:
+        hf_state_dict_to_vit(sd, cfg)
+    msg = str(err.value)
+    assert "missing: blocks.1.fc2.bias [64]" in msg
+    assert "unexpected: vit.layers.0.extra.weight" in msg
+    assert "wrong shape: head.weight is [4, 63], expected [4, 64]" in msg
+
+
+def test_missing_value_projection_is_reported():
+    sd, cfg = _hf_state_dict()
+    del sd["vit.layers.0.attention.v_proj.weight"]
+    with pytest.raises(ValueError, match=r"missing: blocks\.0\.qkv\.weight \[192, 64\]"):
+        hf_state_dict_to_vit(sd, cfg)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(global_pool="map"), r"global_pool 'map' \(supported: token, avg\)"),
+    (dict(init_values=0.1), r"layer scale \(init_values\)"),
+    (dict(qk_norm=True), "qk_norm"),
+])
+def test_unsupported_timm_features(kw, match):
+    with pytest.raises(ValueError, match=match):
+        from_timm(VisionTransformer(**TINY_TIMM, **kw))
+
+
+def test_unsupported_modules():
+    with pytest.raises(ValueError, match="timm VisionTransformer, got Linear"):
+        from_timm(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="ViTModel or ViTForImageClassification, got Linear"):
+        from_hf(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="unsupported HuggingFace model_type 'deit'; supported: 'vit'"):
+        hf_config_to_vit({"model_type": "deit"})
+    with pytest.raises(ValueError, match="unsupported hidden_act 'relu'; supported: gelu, "):
+        hf_config_to_vit({**transformers.ViTConfig(**TINY_HF).to_dict(), "hidden_act": "relu"})
