@@ -149,9 +149,19 @@ def test_unsupported_timm_features(kw, match):
 def test_unsupported_modules():
     with pytest.raises(ValueError, match="timm VisionTransformer, got Linear"):
         from_timm(torch.nn.Linear(2, 2))
-    with pytest.raises(ValueError, match="ViTModel or ViTForImageClassification, got Linear"):
+    with pytest.raises(ValueError, match="ViTForImageClassification, DeiTModel, .*, got Linear"):
         from_hf(torch.nn.Linear(2, 2))
-    with pytest.raises(ValueError, match="unsupported HuggingFace model_type 'deit'; supported: 'vit'"):
-        hf_config_to_vit({"model_type": "deit"})
+    with pytest.raises(ValueError, match="unsupported HuggingFace model_type 'swin'; supported: 'vit', 'deit'"):
+        hf_config_to_vit({"model_type": "swin"})
     with pytest.raises(ValueError, match="unsupported hidden_act 'relu'; supported: gelu, "):
         hf_config_to_vit({**transformers.ViTConfig(**TINY_HF).to_dict(), "hidden_act": "relu"})
+
+
+def test_converted_model_owns_its_weights():
+    ref = VisionTransformer(**TINY_TIMM, num_classes=2)
+    ours = from_timm(ref)
+    with torch.no_grad():
+        ours.head.bias.add_(1.0)
+        ours.blocks[0].fc1.weight.mul_(2.0)
+    assert not torch.equal(ours.head.bias, ref.head.bias.to(DEVICE))
+    assert not torch.equal(ours.blocks[0].fc1.weight, ref.blocks[0].mlp.fc1.weight.to(DEVICE))

@@ -19,6 +19,8 @@ VARIANTS = {
     "clip-pre_norm-no_patch_bias": dict(pre_norm=True, patch_bias=False, act="quick_gelu", norm_eps=1e-5),
     "no-class-no_embed_class": dict(class_token=False, pool="avg", pos_embed_prefix=False, reg_tokens=1,
                                     qkv_bias=False, final_norm=False),
+    "deit-distilled": dict(dist_token=True, head_dist=True, num_classes=5),
+    "deit-dist_token-registers": dict(dist_token=True, reg_tokens=2, num_classes=3),
 }
 
 
@@ -39,6 +41,15 @@ def test_forward_matches_reference(variant, dtype):
         theirs = reference_forward(cfg, params, pixels, features_only)
         assert_close(ours, ref, dtype, theirs)
     assert model(pixels).shape == (3, cfg.num_classes or cfg.embed_dim)
+
+
+def test_distilled_pre_logits_is_the_mean_of_class_and_distillation_tokens():
+    model = _model(torch.float32, **VARIANTS["deit-distilled"])
+    pixels = torch.randn(3, 3, 24, 24, device=DEVICE)
+    features = model.forward_features(pixels)
+    assert features.shape[1] == 2 + model.config.num_patches
+    assert_close(model.forward_head(features, pre_logits=True), (features[:, 0] + features[:, 1]).double() / 2,
+                 torch.float32)
 
 
 def test_float32_pixels_into_a_bf16_model():
@@ -75,6 +86,9 @@ def test_pixels_on_another_device():
     (dict(act="relu"), "act must be one of"),
     (dict(pool="max"), "pool must be one of"),
     (dict(class_token=False), "needs class_token=True"),
+    (dict(dist_token=True, class_token=False, pool="avg"), "dist_token follows the class token"),
+    (dict(head_dist=True, num_classes=3), "head_dist needs dist_token=True"),
+    (dict(head_dist=True, dist_token=True), "head_dist needs dist_token=True, num_classes > 0"),
 ])
 def test_bad_config(kw, match):
     with pytest.raises(ValueError, match=match):

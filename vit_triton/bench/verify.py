@@ -96,7 +96,7 @@ def verify(cfg: ViTConfig, batch: int, dtypes: Sequence[torch.dtype], device: to
     return checks, times
 
 
-def format_table(checks: Sequence[Check], times: dict[torch.dtype, float], batch: int, timer: str) -> str:
+def format_table(checks: Sequence[Check], times: dict[torch.dtype, float], batch: int = 0, timer: str = "") -> str:
     """Relative errors per kernel and dtype, then the time per batch."""
     rows = [("check", "dtype", "shape", "rel err", "torch rel err", "tolerance", "")]
     for c in checks:
@@ -105,8 +105,8 @@ def format_table(checks: Sequence[Check], times: dict[torch.dtype, float], batch
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    lines.append("")
-    lines.append(f"time per batch of {batch} ({timer}):")
+    if times:
+        lines += ["", f"time per batch of {batch} ({timer}):"]
     for dtype, ms in times.items():
         lines.append(f"  {str(dtype).removeprefix('torch.'):9s} {ms:10.3f} ms  {batch / ms * 1e3:10.1f} images/s")
     return "\n".join(lines)

@@ -36,7 +36,8 @@ def check_state_dict(cfg: ViTConfig, state_dict: dict[str, torch.Tensor], source
 
 
 def build(cfg: ViTConfig, state_dict: dict[str, torch.Tensor], like: torch.Tensor) -> ViT:
-    """A ViT holding `state_dict`, on the device and in the dtype of tensor `like`, in eval mode."""
-    model = ViT(cfg, device="meta")
-    model.load_state_dict(state_dict, strict=True, assign=True)
-    return model.to(device=like.device, dtype=like.dtype).eval()
+    """A ViT holding copies of `state_dict`'s tensors (never sharing the source's storage), on the
+    device and in the dtype of tensor `like`, in eval mode."""
+    model = ViT(cfg, device=like.device, dtype=like.dtype)
+    model.load_state_dict(state_dict, strict=True)
+    return model.eval()

@@ -1,9 +1,12 @@
-"""HuggingFace transformers ViT (ViTModel, ViTForImageClassification) -> vit-triton.
+"""HuggingFace transformers ViT (ViTModel, ViTForImageClassification) and DeiT (DeiTModel,
+DeiTForImageClassification, DeiTForImageClassificationWithTeacher) -> vit-triton.
 
 Keys come in two spellings: the hub's (transformers 4: encoder.layer.N.attention.attention.query,
 intermediate.dense, output.dense, ...) and transformers 5's (layers.N.attention.q_proj, mlp.fc1,
 ...). Both map here. q, k and v are concatenated into one QKV weight; ViTModel's pooler
 (dense + tanh over the class token) is not part of our forward, which returns the class token.
+DeiT is ViT with a distillation token after the class token, and with a teacher, a second
+classifier on it (cls_classifier -> head, distillation_classifier -> head_dist).
 """
 
 from __future__ import annotations
@@ -17,9 +20,9 @@ _ACTIVATIONS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "g
                 "quick_gelu": "quick_gelu"}
 
 _LAYER = r"(?:encoder\.layer|layers)\.(\d+)\."
-# ViTForImageClassification nests the model under "vit."; a bare ViTModel does not.
-_RULES = [(r"(?:vit\.)?" + pattern, repl) for pattern, repl in [
-    (r"embeddings\.cls_token", "prefix_tokens"),
+# ViTForImageClassification nests the model under "vit." (DeiT: "deit."); a bare ViTModel does not.
+_RULES = [(r"(?:vit\.|deit\.)?" + pattern, repl) for pattern, repl in [
+    (r"embeddings\.(cls_token|distillation_token)", r"\1"),
     (r"embeddings\.position_embeddings", "pos_embed"),
     (r"embeddings\.patch_embeddings\.projection\.(weight|bias)", r"patch_embed.\1"),
     (_LAYER + r"attention\.(?:attention\.)?(?:query|q_proj)\.(weight|bias)", r"blocks.\1.q.\2"),
@@ -31,14 +34,16 @@ _RULES = [(r"(?:vit\.)?" + pattern, repl) for pattern, repl in [
     (_LAYER + r"(?:intermediate\.dense|mlp\.fc1)\.(weight|bias)", r"blocks.\1.fc1.\2"),
     (_LAYER + r"(?:output\.dense|mlp\.fc2)\.(weight|bias)", r"blocks.\1.fc2.\2"),
     (r"layernorm\.(weight|bias)", r"norm.\1"),
-]] + [(r"classifier\.(weight|bias)", r"head.\1")]
-_UNUSED = [(r"(?:vit\.)?pooler\.dense\.(weight|bias)", "")]
+]] + [(r"(?:cls_)?classifier\.(weight|bias)", r"head.\1"),
+       (r"distillation_classifier\.(weight|bias)", r"head_dist.\1")]
+_UNUSED = [(r"(?:vit\.|deit\.)?pooler\.dense\.(weight|bias)", "")]
 
 
-def hf_config_to_vit(config: dict, num_classes: int = 0) -> ViTConfig:
-    """ViTConfig from a transformers ViT config (config.json as a dict); the head size is separate."""
-    if config.get("model_type") != "vit":
-        raise ValueError(f"unsupported HuggingFace model_type {config.get('model_type')!r}; supported: 'vit'")
+def hf_config_to_vit(config: dict, num_classes: int = 0, head_dist: bool = False) -> ViTConfig:
+    """ViTConfig from a transformers ViT or DeiT config (config.json as a dict); the head size, and
+    whether there is a distillation head (DeiTForImageClassificationWithTeacher), are separate."""
+    if config.get("model_type") not in ("vit", "deit"):
+        raise ValueError(f"unsupported HuggingFace model_type {config.get('model_type')!r}; supported: 'vit', 'deit'")
     act = config.get("hidden_act", "gelu")
     if act not in _ACTIVATIONS:
         raise ValueError(f"unsupported hidden_act {act!r}; supported: {', '.join(_ACTIVATIONS)}")
@@ -47,13 +52,14 @@ def hf_config_to_vit(config: dict, num_classes: int = 0) -> ViTConfig:
         embed_dim=config["hidden_size"], depth=config["num_hidden_layers"],
         num_heads=config["num_attention_heads"], mlp_dim=config["intermediate_size"],
         qkv_bias=config.get("qkv_bias", True), norm_eps=config.get("layer_norm_eps", 1e-12),
-        act=_ACTIVATIONS[act], num_classes=num_classes,
+        act=_ACTIVATIONS[act], num_classes=num_classes, dist_token=config["model_type"] == "deit",
+        head_dist=head_dist,
     )
 
 
 def hf_num_classes(state_dict: dict[str, torch.Tensor]) -> int:
-    """Rows of the classifier (ViTForImageClassification), 0 for a bare ViTModel."""
-    head = state_dict.get("classifier.weight")
+    """Rows of the classifier (ViTForImageClassification, DeiT's), 0 for a bare ViTModel or DeiTModel."""
+    head = state_dict.get("classifier.weight", state_dict.get("cls_classifier.weight"))
     return 0 if head is None else head.shape[0]
 
 
@@ -61,8 +67,9 @@ def hf_state_dict_to_vit(state_dict: dict[str, torch.Tensor], cfg: ViTConfig) ->
     """Our state dict from a HF ViT one (either key spelling); raises listing every mismatch."""
     mapping = rename(state_dict, _RULES)
     out = {mapping[k]: v for k, v in state_dict.items() if k in mapping}
-    if "prefix_tokens" in out:
-        out["prefix_tokens"] = out["prefix_tokens"].reshape(-1, cfg.embed_dim)
+    prefix = [out.pop(k).reshape(-1, cfg.embed_dim) for k in ("cls_token", "distillation_token") if k in out]
+    if prefix:
+        out["prefix_tokens"] = torch.cat(prefix)
     if "pos_embed" in out:
         out["pos_embed"] = out["pos_embed"].reshape(-1, cfg.embed_dim)
     for i in range(cfg.depth):
@@ -77,12 +84,17 @@ def hf_state_dict_to_vit(state_dict: dict[str, torch.Tensor], cfg: ViTConfig) ->
     return out
 
 
+HF_ARCHITECTURES = ("ViTModel", "ViTForImageClassification", "DeiTModel", "DeiTForImageClassification",
+                    "DeiTForImageClassificationWithTeacher")
+
+
 def from_hf(module: torch.nn.Module) -> ViT:
-    """vit-triton model with the weights, device and dtype of a transformers ViTModel or
-    ViTForImageClassification."""
-    if type(module).__name__ not in ("ViTModel", "ViTForImageClassification"):
-        raise ValueError(f"from_hf takes a transformers ViTModel or ViTForImageClassification, "
-                         f"got {type(module).__name__}")
+    """vit-triton model with the weights, device and dtype of a transformers ViT or DeiT model
+    (one of HF_ARCHITECTURES)."""
+    name = type(module).__name__
+    if name not in HF_ARCHITECTURES:
+        raise ValueError(f"from_hf takes a transformers {', '.join(HF_ARCHITECTURES)}, got {name}")
     state_dict = module.state_dict()
-    cfg = hf_config_to_vit(module.config.to_dict(), hf_num_classes(state_dict))
+    cfg = hf_config_to_vit(module.config.to_dict(), hf_num_classes(state_dict),
+                           head_dist=name == "DeiTForImageClassificationWithTeacher")
     return build(cfg, hf_state_dict_to_vit(state_dict, cfg), next(module.parameters()))

@@ -1,7 +1,7 @@
-"""timm VisionTransformer -> vit-triton.
+"""timm VisionTransformer (and DeiT's VisionTransformerDistilled) -> vit-triton.
 
 timm's names are ours but for the nesting (attn.qkv -> qkv, mlp.fc1 -> fc1, patch_embed.proj ->
-patch_embed), the prefix tokens (cls_token and reg_token become the rows of prefix_tokens) and
+patch_embed), the prefix tokens (cls_token, dist_token and reg_token become the rows of prefix_tokens) and
 the leading batch dimension of pos_embed.
 """
 
@@ -15,10 +15,10 @@ from ._common import build, check_state_dict, rename
 
 _RULES = [
     (r"patch_embed\.proj\.(weight|bias)", r"patch_embed.\1"),
-    (r"(cls_token|reg_token|pos_embed)", r"\1"),
+    (r"(cls_token|dist_token|reg_token|pos_embed)", r"\1"),
     (r"blocks\.(\d+)\.attn\.(qkv|proj)\.(weight|bias)", r"blocks.\1.\2.\3"),
     (r"blocks\.(\d+)\.mlp\.(fc1|fc2)\.(weight|bias)", r"blocks.\1.\2.\3"),
-    (r"(blocks\.\d+\.norm[12]|norm_pre|norm|fc_norm|head)\.(weight|bias)", r"\1.\2"),
+    (r"(blocks\.\d+\.norm[12]|norm_pre|norm|fc_norm|head|head_dist)\.(weight|bias)", r"\1.\2"),
 ]
 _POOLS = ("token", "avg")
 
@@ -38,8 +38,10 @@ def _is_layer_norm(m: nn.Module) -> bool:
 
 def timm_config_to_vit(module: nn.Module) -> ViTConfig:
     """ViTConfig of a timm VisionTransformer; ValueError naming any feature we do not support."""
-    if type(module).__name__ != "VisionTransformer":
-        raise ValueError(f"from_timm takes a timm VisionTransformer, got {type(module).__name__}")
+    if type(module).__name__ not in ("VisionTransformer", "VisionTransformerDistilled"):
+        raise ValueError(f"from_timm takes a timm VisionTransformerDistilled or timm VisionTransformer, "
+                         f"got {type(module).__name__}")
+    distilled = type(module).__name__ == "VisionTransformerDistilled"
     block = module.blocks[0]
     pe = module.patch_embed
     unsupported = {
@@ -69,6 +71,7 @@ def timm_config_to_vit(module: nn.Module) -> ViTConfig:
         patch_bias=pe.proj.bias is not None, pre_norm=_is_layer_norm(module.norm_pre),
         final_norm=_is_layer_norm(module.norm) or _is_layer_norm(module.fc_norm),
         fc_norm=_is_layer_norm(module.fc_norm), pool=module.global_pool, num_classes=module.num_classes,
+        dist_token=distilled, head_dist=distilled and module.num_classes > 0,
     )
 
 
@@ -76,7 +79,7 @@ def timm_state_dict_to_vit(state_dict: dict[str, torch.Tensor], cfg: ViTConfig) 
     """Our state dict from a timm VisionTransformer one; raises listing every mismatch."""
     mapping = rename(state_dict, _RULES)
     out = {mapping[k]: v for k, v in state_dict.items() if k in mapping}
-    prefix = [out.pop(k).reshape(-1, cfg.embed_dim) for k in ("cls_token", "reg_token") if k in out]
+    prefix = [out.pop(k).reshape(-1, cfg.embed_dim) for k in ("cls_token", "dist_token", "reg_token") if k in out]
     if prefix:
         out["prefix_tokens"] = torch.cat(prefix)
     if "pos_embed" in out:

@@ -17,7 +17,9 @@ class ViTConfig:
     final LayerNorm after the pooling (timm's avg-pool models); final_norm=False drops it.
     pos_embed_prefix: the position embedding also covers the prefix tokens (timm's default;
     False is no_embed_class). pre_norm adds a LayerNorm before the blocks (CLIP), where the patch
-    projection has no bias (patch_bias=False).
+    projection has no bias (patch_bias=False). dist_token adds DeiT's distillation token right after
+    the class token; head_dist gives it a classifier of its own, whose logits are averaged with the
+    head's, and makes the pooled embedding the mean of the two tokens (DeiT distilled, as timm).
     """
 
     image_size: int = 224
@@ -31,6 +33,7 @@ class ViTConfig:
     norm_eps: float = 1e-6
     act: str = "gelu"
     class_token: bool = True
+    dist_token: bool = False
     reg_tokens: int = 0
     pos_embed_prefix: bool = True
     patch_bias: bool = True
@@ -39,6 +42,7 @@ class ViTConfig:
     fc_norm: bool = False
     pool: str = "token"
     num_classes: int = 0
+    head_dist: bool = False
 
     def __post_init__(self) -> None:
         if self.image_size % self.patch_size:
@@ -55,6 +59,11 @@ class ViTConfig:
             raise ValueError("pool 'token' needs class_token=True")
         if self.fc_norm and not self.final_norm:
             raise ValueError("fc_norm is the final norm moved after pooling: it needs final_norm=True")
+        if self.dist_token and not self.class_token:
+            raise ValueError("dist_token follows the class token: it needs class_token=True")
+        if self.head_dist and not (self.dist_token and self.num_classes and self.pool == "token"
+                                   and not self.fc_norm):
+            raise ValueError("head_dist needs dist_token=True, num_classes > 0, pool 'token' and no fc_norm")
 
     @property
     def head_dim(self) -> int:
@@ -66,7 +75,7 @@ class ViTConfig:
 
     @property
     def num_prefix_tokens(self) -> int:
-        return int(self.class_token) + self.reg_tokens
+        return int(self.class_token) + int(self.dist_token) + self.reg_tokens
 
     @property
     def num_tokens(self) -> int:

@@ -49,6 +49,9 @@ def reference_forward(cfg: ViTConfig, params: dict[str, torch.Tensor], pixels: t
         x = F.layer_norm(x, (d,), p["norm.weight"], p["norm.bias"], eps)
     if features_only:
         return x
+    if cfg.head_dist:
+        return (F.linear(x[:, 0], p["head.weight"], p["head.bias"])
+                + F.linear(x[:, 1], p["head_dist.weight"], p["head_dist.bias"])) / 2
     x = x[:, 0] if cfg.pool == "token" else x[:, cfg.num_prefix_tokens:].mean(1)
     if cfg.fc_norm:
         x = F.layer_norm(x, (d,), p["fc_norm.weight"], p["fc_norm.bias"], eps)

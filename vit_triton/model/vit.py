@@ -1,7 +1,7 @@
 """The Vision Transformer as nn.Modules whose forward runs only vit_triton kernels.
 
 Parameter names follow timm (patch_embed, blocks.i.qkv, blocks.i.fc1, norm, head, ...) except
-that the prefix tokens (class, then registers) are one tensor, prefix_tokens [P0, D], and
+that the prefix tokens (class, distillation, then registers) are one tensor, prefix_tokens [P0, D], and
 position embeddings are [T_pos, D] without timm's leading batch dimension.
 """
 
@@ -93,6 +93,7 @@ class ViT(nn.Module):
         self.norm = LayerNorm(d, cfg.norm_eps, **factory) if cfg.final_norm and not cfg.fc_norm else None
         self.fc_norm = LayerNorm(d, cfg.norm_eps, **factory) if cfg.fc_norm else None
         self.head = Linear(d, cfg.num_classes, **factory) if cfg.num_classes else None
+        self.head_dist = Linear(d, cfg.num_classes, **factory) if cfg.head_dist else None
 
     def _check_pixels(self, pixels: torch.Tensor) -> None:
         cfg = self.config
@@ -128,6 +129,12 @@ class ViT(nn.Module):
 
     def forward_head(self, features: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         """Pool (class token or patch mean), fc_norm, then the classifier unless pre_logits."""
+        if self.head_dist is not None:
+            # DeiT distilled: class and distillation token each have a classifier; both are averaged.
+            if pre_logits:
+                return token_mean(features[:, :2])
+            logits = self.head_dist(features[:, 1], residual=self.head(features[:, 0]))
+            return logits.mul_(0.5)  # [B, classes]: too small to be worth an epilogue scale
         if self.config.pool == "token":
             pooled = features[:, 0]
         else:

@@ -1,0 +1,107 @@
+"""The bench harness end to end on the tiny model through the interpreter, with a fake clock."""
+
+import itertools
+import json
+
+import pytest
+import torch
+
+from vit_triton.bench import harness, roofline
+from vit_triton.bench.systems import build_systems
+from vit_triton.cli import main
+from vit_triton.model import PRESETS
+
+CFG = PRESETS["tiny"]
+CPU = torch.device("cpu")
+
+
+def fake_timer(times):
+    """Runs each timed function once (so every code path executes) and reports the next fake time."""
+    clock = iter(times)
+
+    def timer(fn):
+        fn()
+        return next(clock)
+    return timer
+
+
+def test_bench_end_to_end(tmp_path):
+    # Calls: 2 ceilings, then per batch size: vit-triton, hf, timm.
+    times = [1.0, 1.0] + [2.0, 3.0, 5.0] + [4.0, 12.0, 8.0]
+    result = harness.run_bench("tiny", CFG, [1, 2], torch.float32, CPU, tmp_path, ("vit-triton", "hf", "timm"),
+                               timer=fake_timer(times), log=lambda s: None)
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert saved == json.loads(json.dumps(result))
+    assert (tmp_path / "throughput.png").stat().st_size > 1000
+    assert {"model", "config", "dtype", "flops_per_image", "environment", "ceilings", "check", "rows", "skipped",
+            "speedup"} <= saved.keys()
+    assert {"gpu", "torch", "triton", "date"} <= saved["environment"].keys()
+    assert saved["check"]["ok"] and saved["check"]["err"] <= 1e-5
+    assert [(r["system"], r["batch"], r["ms"]) for r in saved["rows"]] == [
+        ("vit-triton", 1, 2.0), ("hf", 1, 3.0), ("timm", 1, 5.0), ("vit-triton", 2, 4.0), ("hf", 2, 12.0),
+        ("timm", 2, 8.0)]
+    row = saved["rows"][3]
+    assert row["images_per_s"] == pytest.approx(2 / 4.0e-3)
+    assert row["tflops"] == pytest.approx(2 * saved["flops_per_image"] / 4.0e-3 / 1e12)
+    assert row["mfu"] == pytest.approx(row["tflops"] / saved["ceilings"]["matmul_tflops"])
+    assert saved["ceilings"]["matmul_tflops"] == pytest.approx(2 * 64 ** 3 / 1e-3 / 1e12)
+    assert saved["speedup"] == {"1": {"best_peer": "hf", "speedup": 1.5}, "2": {"best_peer": "timm", "speedup": 2.0}}
+    table = harness.format_table(result)
+    assert "batch 2: vit-triton is 2.00x the best peer (timm)" in table
+
+
+def test_bench_refuses_to_time_a_wrong_answer(tmp_path, monkeypatch):
+    def wrong_systems(*args, **kwargs):
+        systems, reference, ours = build_systems(*args, **kwargs)
+        with torch.no_grad():
+            ours.head.bias.add_(1.0)
+        return systems, reference, ours
+    monkeypatch.setattr(harness, "build_systems", wrong_systems)
+    timer = fake_timer(itertools.repeat(1.0))
+    with pytest.raises(RuntimeError, match="output is wrong, no speed reported"):
+        harness.run_bench("tiny", CFG, [1], torch.float32, CPU, tmp_path, ("vit-triton", "hf"), timer=timer,
+                          log=lambda s: None)
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert not saved["check"]["ok"] and saved["rows"] == []
+
+
+def test_a_failing_peer_is_recorded_not_fatal(tmp_path, monkeypatch):
+    def failing_systems(*args, **kwargs):
+        systems, reference, ours = build_systems(*args, **kwargs)
+        for s in systems:
+            if s.name == "timm":
+                s.run = lambda px: (_ for _ in ()).throw(torch.cuda.OutOfMemoryError("no room"))
+        return systems, reference, ours
+    monkeypatch.setattr(harness, "build_systems", failing_systems)
+    result = harness.run_bench("tiny", CFG, [1], torch.float32, CPU, tmp_path, ("vit-triton", "timm"),
+                               timer=fake_timer(itertools.repeat(1.0)), log=lambda s: None)
+    assert result["rows"][1] == {"system": "timm", "batch": 1, "error": "OutOfMemoryError: no room"}
+    assert result["speedup"] == {}
+
+
+def test_roofline_rows(tmp_path):
+    cfg = PRESETS["tiny"]
+    _, _, ours = build_systems(cfg, torch.float32, CPU, ("vit-triton",))
+    # Ceilings of about 500 TFLOP/s (64^3 matmul) and 2 TB/s (1 MiB copy): the ridge sits at 250 FLOP/byte.
+    ceiling_ms = [2 * 64 ** 3 / 5e14 * 1e3, 2 * 2 ** 20 / 2e12 * 1e3]
+    result = roofline.run_roofline("tiny", cfg, 2, torch.float32, CPU, ours, tmp_path,
+                                   timer=fake_timer(itertools.chain(ceiling_ms, itertools.repeat(1e-3))),
+                                   log=lambda s: None)
+    assert (tmp_path / "roofline.png").stat().st_size > 1000
+    assert json.loads((tmp_path / "roofline.json").read_text())["kernels"] == json.loads(
+        json.dumps(result["kernels"]))
+    rows = {r["name"]: r for r in result["kernels"]}
+    ridge = result["ceilings"]["matmul_tflops"] * 1e3 / result["ceilings"]["copy_gbps"]   # FLOP / byte
+    assert ridge == pytest.approx(250)
+    for r in rows.values():
+        assert r["intensity"] == pytest.approx(r["flops"] / r["bytes"])
+        assert r["bound"] == ("compute" if r["intensity"] > ridge else "memory")
+        assert r["ours_tflops"] == pytest.approx(r["flops"] / 1e-3 / 1e12 * 1e3)
+    assert rows["layer_norm"]["count"] == 2 * cfg.depth and rows["layer_norm"]["bound"] == "memory"
+
+
+def test_bench_cli_without_gpu(capsys):
+    assert main(["bench", "--dtype", "fp32"]) == 0
+    out = capsys.readouterr().out
+    assert "no CUDA device, so no timings" in out
+    assert "model output against ViTForImageClassification (float64)" in out and "FAIL" not in out

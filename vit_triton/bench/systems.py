@@ -1,0 +1,118 @@
+"""The systems `vit-triton bench` times: vit-triton and its peers, built on one model shape.
+
+vit-triton takes the HF model's weights (from_hf), so its output is checked against HF before
+any timing; timm and torch.compile(timm) run timm's own random weights of the same shape (speed
+does not depend on the values). For the CLIP tower, which has no transformers ViT equivalent,
+vit-triton takes timm's weights instead. A peer whose package is missing is skipped with a note.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..model.config import ViTConfig
+
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead")
+SYSTEMS = ("vit-triton", "hf", "timm", *(f"timm+compile:{m}" for m in COMPILE_MODES))
+
+
+@dataclass
+class System:
+    name: str
+    run: Callable[[torch.Tensor], torch.Tensor] | None
+    note: str = ""
+
+
+def hf_config(cfg: ViTConfig):
+    """The transformers ViTConfig of `cfg`, or None where transformers' ViT cannot express it."""
+    from transformers import ViTConfig as HFConfig
+
+    act = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "quick_gelu": "quick_gelu"}[cfg.act]
+    plain = (cfg.class_token and cfg.num_prefix_tokens == 1 and cfg.pos_embed_prefix and cfg.patch_bias
+             and not cfg.pre_norm and cfg.final_norm and not cfg.fc_norm and cfg.pool == "token")
+    if not plain:
+        return None
+    return HFConfig(image_size=cfg.image_size, patch_size=cfg.patch_size, num_channels=cfg.in_chans,
+                    hidden_size=cfg.embed_dim, num_hidden_layers=cfg.depth, num_attention_heads=cfg.num_heads,
+                    intermediate_size=cfg.mlp_dim, qkv_bias=cfg.qkv_bias, layer_norm_eps=cfg.norm_eps,
+                    hidden_act=act, num_labels=max(cfg.num_classes, 1), attn_implementation="sdpa")
+
+
+def timm_model(cfg: ViTConfig) -> torch.nn.Module:
+    """timm's VisionTransformer of the same shape as `cfg` (random weights)."""
+    from functools import partial
+
+    from timm.models.vision_transformer import VisionTransformer
+
+    act = {"gelu": "gelu", "gelu_tanh": "gelu_tanh", "quick_gelu": "quick_gelu"}[cfg.act]
+    return VisionTransformer(
+        img_size=cfg.image_size, patch_size=cfg.patch_size, in_chans=cfg.in_chans, num_classes=cfg.num_classes,
+        global_pool=cfg.pool, embed_dim=cfg.embed_dim, depth=cfg.depth, num_heads=cfg.num_heads,
+        mlp_ratio=cfg.mlp_dim / cfg.embed_dim, qkv_bias=cfg.qkv_bias, class_token=cfg.class_token,
+        no_embed_class=not cfg.pos_embed_prefix, reg_tokens=cfg.reg_tokens, pre_norm=cfg.pre_norm,
+        final_norm=cfg.final_norm, fc_norm=cfg.fc_norm, act_layer=act,
+        norm_layer=partial(torch.nn.LayerNorm, eps=cfg.norm_eps))
+
+
+def _perturbed(module: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """Random weights everywhere (no LayerNorm left at 1, no bias at 0), in dtype, eval mode."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return module.to(device=device, dtype=dtype).eval()
+
+
+def build_systems(cfg: ViTConfig, dtype: torch.dtype, device: torch.device,
+                  names: tuple[str, ...] = SYSTEMS) -> tuple[list[System], torch.nn.Module, torch.nn.Module]:
+    """The systems to time, and (reference module, vit-triton model) for the correctness check.
+
+    The reference is HF's model when it can express the config, else timm's.
+    """
+    from .. import from_hf, from_timm
+
+    systems: list[System] = []
+    hf = timm_ref = None
+    try:
+        hf_cfg = hf_config(cfg)
+        if hf_cfg is None:
+            systems.append(System("hf", None, "no transformers ViT of this shape"))
+        else:
+            from transformers import ViTForImageClassification, ViTModel
+
+            cls = ViTForImageClassification if cfg.num_classes else ViTModel
+            hf = _perturbed(cls(hf_cfg), dtype, device)
+            systems.append(System("hf", lambda px: _hf_output(hf, px)))
+    except ImportError:
+        systems.append(System("hf", None, "transformers is not installed"))
+    try:
+        timm_ref = _perturbed(timm_model(cfg), dtype, device)
+        systems.append(System("timm", timm_ref))
+        for mode in COMPILE_MODES:
+            if f"timm+compile:{mode}" in names:
+                systems.append(System(f"timm+compile:{mode}", torch.compile(copy.deepcopy(timm_ref), mode=mode,
+                                                                             dynamic=False)))
+    except ImportError:
+        systems += [System(n, None, "timm is not installed") for n in SYSTEMS if n.startswith("timm")]
+    reference = hf if hf is not None else timm_ref
+    if reference is None:
+        raise RuntimeError("bench needs transformers or timm to check vit-triton's output against")
+    ours = from_hf(hf) if hf is not None else from_timm(timm_ref)
+    systems.insert(0, System("vit-triton", ours))
+    return [s for s in systems if s.name in names], reference, ours
+
+
+def _hf_output(model: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+    """Logits, or the class token of last_hidden_state for a headless ViTModel (our pooled output)."""
+    out = model(pixels)
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state[:, 0]
+
+
+def reference_output(reference: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+    """The output vit-triton must match: HF's logits / class token, or timm's forward."""
+    if hasattr(reference, "config") and hasattr(reference.config, "model_type"):
+        return _hf_output(reference, pixels)
+    return reference(pixels)
