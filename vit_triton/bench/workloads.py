@@ -24,7 +24,7 @@ class Workload:
     inputs: tuple[torch.Tensor | None, ...]
 
 
-def _patch_embed_torch(px, w, b, pos, pre):
+def patch_embed_torch(px, w, b, pos, pre):
     """timm's order: pos is added before the prefix tokens are put in front unless it covers them."""
     x = F.conv2d(px.to(w.dtype), w, b, stride=w.shape[-1]).flatten(2).transpose(1, 2)
     covers_prefix = pre is not None and pos is not None and pos.shape[0] == x.shape[1] + pre.shape[0]
@@ -54,7 +54,7 @@ def forward_workloads(cfg: ViTConfig, batch: int, dtype: torch.dtype, device: to
             inputs = (rand(batch, cfg.in_chans, cfg.image_size, cfg.image_size), rand(d, cfg.in_chans, s, s,
                       scale=k ** -0.5), rand(d) if cfg.patch_bias else None, rand(pos_len, d),
                       rand(cfg.num_prefix_tokens, d) if cfg.num_prefix_tokens else None)
-            return Workload(c, patch_embed, _patch_embed_torch, inputs)
+            return Workload(c, patch_embed, patch_embed_torch, inputs)
         if c.kind == "layer_norm":
             inputs = (rand(c.dims["m"], d, scale=2.0, shift=0.5), rand(d, scale=0.5, shift=1.0), rand(d))
             return Workload(c, lambda x, w, b: layer_norm(x, w, b, eps),
