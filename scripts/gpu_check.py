@@ -4,7 +4,8 @@ google/vit-base-patch16-224 (HF ViTForImageClassification) and vit_large_patch14
 float32 (tf32 off) / bfloat16 / float16, batch 1 and 64. Features and outputs of vit-triton and
 of the reference model in each dtype are compared with the reference model in float64; the
 DESIGN.md rule applies (fp32 <= 1e-5, 16-bit <= 1.5x the reference's own error). Each row also
-times both forwards (median, CUDA events) as a first look; `vit-triton bench` is the benchmark.
+times both forwards (median, CUDA events; ours replayed as a CUDA graph, after checking that the
+replay equals the eager forward bit for bit) as a first look; `vit-triton bench` is the benchmark.
 
     python scripts/gpu_check.py [--json results.json]
 """
@@ -63,10 +64,13 @@ def check_model(name, ref32, convert, run_ref, rows) -> None:
             ref = copy.deepcopy(ref32).to(dtype)
             ours = convert(ref)
             x = px.to(dtype)
+            graphed = vit_triton.compile(ours, batch_sizes=[batch])
             with torch.inference_mode():
                 got = (ours.forward_features(x), ours(x))
+                if not torch.equal(graphed(x), got[1]):
+                    raise AssertionError(f"{name} b={batch} {dtype}: CUDA-graph replay differs from the eager forward")
                 theirs = run_ref(ref, x)
-                ms_ours = triton.testing.do_bench(lambda: ours(x), warmup=50, rep=200, return_mode="median")
+                ms_ours = triton.testing.do_bench(lambda: graphed(x), warmup=50, rep=200, return_mode="median")
                 ms_ref = triton.testing.do_bench(lambda: run_ref(ref, x)[1], warmup=50, rep=200, return_mode="median")
             for what, g, t, w in zip(("features", "output"), got, theirs, want):
                 err, ref_err = rel_err(g, w), rel_err(t, w)

@@ -28,14 +28,16 @@ def fake_timer(times):
 def test_bench_end_to_end(tmp_path):
     # Calls: 2 ceilings, then per batch size: vit-triton, hf, timm.
     times = [1.0, 1.0] + [2.0, 3.0, 5.0] + [4.0, 12.0, 8.0]
-    result = harness.run_bench("tiny", CFG, [1, 2], torch.float32, CPU, tmp_path, ("vit-triton", "hf", "timm"),
-                               timer=fake_timer(times), log=lambda s: None)
+    result = harness.run_bench("tiny", CFG, [1, 2], torch.float32, CPU, tmp_path,
+                               ("vit-triton", "vit-triton+cudagraph", "hf", "timm"), timer=fake_timer(times),
+                               log=lambda s: None)
     saved = json.loads((tmp_path / "bench.json").read_text())
     assert saved == json.loads(json.dumps(result))
     assert (tmp_path / "throughput.png").stat().st_size > 1000
     assert {"model", "config", "dtype", "flops_per_image", "environment", "ceilings", "check", "rows", "skipped",
             "speedup"} <= saved.keys()
     assert {"gpu", "torch", "triton", "date"} <= saved["environment"].keys()
+    assert saved["skipped"] == {"vit-triton+cudagraph": "CUDA graphs need a CUDA device"}
     assert saved["check"]["ok"] and saved["check"]["err"] <= 1e-5
     assert [(r["system"], r["batch"], r["ms"]) for r in saved["rows"]] == [
         ("vit-triton", 1, 2.0), ("hf", 1, 3.0), ("timm", 1, 5.0), ("vit-triton", 2, 4.0), ("hf", 2, 12.0),
@@ -45,9 +47,11 @@ def test_bench_end_to_end(tmp_path):
     assert row["tflops"] == pytest.approx(2 * saved["flops_per_image"] / 4.0e-3 / 1e12)
     assert row["mfu"] == pytest.approx(row["tflops"] / saved["ceilings"]["matmul_tflops"])
     assert saved["ceilings"]["matmul_tflops"] == pytest.approx(2 * 64 ** 3 / 1e-3 / 1e12)
-    assert saved["speedup"] == {"1": {"best_peer": "hf", "speedup": 1.5}, "2": {"best_peer": "timm", "speedup": 2.0}}
+    assert saved["speedup"] == {"1": {"best_peer": "hf", "ours": "vit-triton", "speedup": 1.5},
+                                "2": {"best_peer": "timm", "ours": "vit-triton", "speedup": 2.0}}
     table = harness.format_table(result)
     assert "batch 2: vit-triton is 2.00x the best peer (timm)" in table
+    assert "skipped vit-triton+cudagraph: CUDA graphs need a CUDA device" in table
 
 
 def test_bench_refuses_to_time_a_wrong_answer(tmp_path, monkeypatch):

@@ -1,6 +1,7 @@
 """The systems `vit-triton bench` times: vit-triton and its peers, built on one model shape.
 
-vit-triton takes the HF model's weights (from_hf), so its output is checked against HF before
+vit-triton (eager, and replayed as CUDA graphs by runtime.CUDAGraphRunner) takes the HF model's
+weights (from_hf), so its output is checked against HF before
 any timing; timm and torch.compile(timm) run timm's own random weights of the same shape (speed
 does not depend on the values). For the CLIP tower, which has no transformers ViT equivalent,
 vit-triton takes timm's weights instead. A peer whose package is missing is skipped with a note.
@@ -15,9 +16,10 @@ from dataclasses import dataclass
 import torch
 
 from ..model.config import ViTConfig
+from ..runtime import CUDAGraphRunner
 
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead")
-SYSTEMS = ("vit-triton", "hf", "timm", *(f"timm+compile:{m}" for m in COMPILE_MODES))
+SYSTEMS = ("vit-triton", "vit-triton+cudagraph", "hf", "timm", *(f"timm+compile:{m}" for m in COMPILE_MODES))
 
 
 @dataclass
@@ -101,7 +103,9 @@ def build_systems(cfg: ViTConfig, dtype: torch.dtype, device: torch.device,
     if reference is None:
         raise RuntimeError("bench needs transformers or timm to check vit-triton's output against")
     ours = from_hf(hf) if hf is not None else from_timm(timm_ref)
-    systems.insert(0, System("vit-triton", ours))
+    graphed = (System("vit-triton+cudagraph", CUDAGraphRunner(ours)) if device.type == "cuda"
+               else System("vit-triton+cudagraph", None, "CUDA graphs need a CUDA device"))
+    systems[:0] = [System("vit-triton", ours), graphed]
     return [s for s in systems if s.name in names], reference, ours
 
 

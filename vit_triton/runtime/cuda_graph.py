@@ -1,0 +1,72 @@
+"""Replay a model's whole forward pass as one CUDA graph per input shape.
+
+An eager forward of ViT-B issues 87 kernel launches; at small batch the GPU waits on the Python
+that issues them. Captured once per (batch, dtype), after warm-up calls that run Triton's
+autotuning outside the capture, the forward becomes one graph launch reading a static input
+buffer. Graphs share one memory pool, so replays are serialised by a lock: a runner is safe to
+call from several threads of a serving loop.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+import torch
+
+from ..model import ViT
+
+
+class CUDAGraphRunner:
+    """Callable like the model (pixels -> output); captures a graph the first time it sees a shape."""
+
+    def __init__(self, model: torch.nn.Module, warmup: int = 2) -> None:
+        self.model = model
+        self.warmup = warmup
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self._pool = None
+        self._lock = threading.Lock()
+
+    def capture(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        """Warm up (autotune) and capture the forward for inputs of this shape and dtype."""
+        device = next(self.model.parameters()).device
+        if device.type != "cuda":
+            raise ValueError(f"CUDA graphs need the model on a CUDA device, got {device}")
+        with self._lock:
+            self._capture(tuple(shape), dtype, device)
+
+    def _capture(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        static_in = torch.randn(shape, device=device).to(dtype)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.inference_mode(), torch.cuda.stream(side):
+            for _ in range(self.warmup):
+                self.model(static_in)
+        torch.cuda.current_stream(device).wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool):
+            static_out = self.model(static_in)
+        self._graphs[(shape, dtype)] = (graph, static_in, static_out)
+
+    def __call__(self, pixels: torch.Tensor) -> torch.Tensor:
+        """The model's output for `pixels`, from a graph replay (a fresh tensor, not the graph's buffer)."""
+        key = (tuple(pixels.shape), pixels.dtype)
+        with self._lock:
+            if key not in self._graphs:   # the warm-up calls validate the input like the model does
+                self._capture(*key, pixels.device)
+            graph, static_in, static_out = self._graphs[key]
+            static_in.copy_(pixels)
+            graph.replay()
+            return static_out.clone()
+
+
+def compile(model: ViT, batch_sizes: Iterable[int] = (), dtype: torch.dtype | None = None) -> CUDAGraphRunner:
+    """A CUDAGraphRunner for a vit-triton model, with graphs captured ahead for each batch size
+    (pixels in `dtype`, the model's by default); other shapes are captured on first use."""
+    runner = CUDAGraphRunner(model)
+    cfg = model.config
+    for batch in batch_sizes:
+        runner.capture((batch, cfg.in_chans, cfg.image_size, cfg.image_size), dtype or model.pos_embed.dtype)
+    return runner
