@@ -14,6 +14,7 @@ _EXPORTS = {
     "PRESETS": ".model",
     "from_hf": ".loaders",
     "from_timm": ".loaders",
+    "compile": ".runtime",
 }
 __all__ = [*_EXPORTS, "__version__"]
 
