@@ -15,6 +15,8 @@ _EXPORTS = {
     "from_hf": ".loaders",
     "from_timm": ".loaders",
     "compile": ".runtime",
+    "from_pretrained": ".loaders",
+    "Preprocess": ".data",
 }
 __all__ = [*_EXPORTS, "__version__"]
 

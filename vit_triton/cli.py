@@ -5,8 +5,21 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import textwrap
 
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+_EXIT_CODES = """exit status:
+  0    success (embed: every input embedded, or listed with its reason in the .skipped.tsv file)
+  1    failure: a checkpoint that cannot be used, an I/O error, ... (message on stderr);
+       classify: an image could not be read (the other images are still printed)
+  2    usage error: a bad option, INPUT or --model not found, an output written with other settings
+  130  interrupted; embed continues where it stopped when the same command is run again"""
+_MODEL_HELP = ("checkpoint: a HuggingFace hub id (google/vit-base-patch16-224, facebook/deit-base-distilled-"
+               "patch16-224, timm/vit_base_patch16_224.augreg2_in21k_ft_in1k), fetched into the HuggingFace cache "
+               "(HF_HUB_OFFLINE=1 reads only the cache); or a local directory in the same layout (config.json + "
+               "model.safetensors or pytorch_model.bin, sharded or not); or a local weights file with config.json "
+               "beside it. Supported: transformers ViT and DeiT models, timm VisionTransformer (incl. distilled DeiT)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -49,7 +62,78 @@ def _parser() -> argparse.ArgumentParser:
                        help="time each kernel of one forward pass (at the largest batch size) against PyTorch "
                             "and place it on a roofline, with a per-kernel breakdown of one forward")
     bench.add_argument("--out", default="bench-results", help="output folder (default: %(default)s)")
+    _add_classify_and_embed(sub)
     return parser
+
+
+def _add_classify_and_embed(sub) -> None:
+    classify = sub.add_parser(
+        "classify", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EXIT_CODES,
+        help="print the top classes of images, named by the checkpoint's labels",
+        description=textwrap.fill(
+            "Classify images with a checkpoint's classifier, after the checkpoint's own preprocessing (resize, "
+            "crop, normalize as its transformers image processor or timm transform does). Prints each image's "
+            "path and its top-k labels with their probabilities (softmax).", 100),
+    )
+    classify.add_argument("images", nargs="+", metavar="IMAGE", help="image files (any format Pillow reads)")
+    classify.add_argument("--model", required=True, help=_MODEL_HELP + "; it must have a classification head")
+    classify.add_argument("--top-k", type=int, default=5, help="classes per image (default 5)")
+    classify.add_argument("--json", action="store_true",
+                          help='print one JSON array: per image {"path", "predictions": [{"index", "label", '
+                               '"probability"}]}, or {"path", "error"} for an unreadable file')
+    _add_runtime_options(classify, "images per forward pass (default 8)")
+
+    embed = sub.add_parser(
+        "embed", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EXIT_CODES + """
+
+outputs (OUT = emb.parquet or emb.npy):
+  emb.parquet          columns path, embedding (fixed-size list) [, tokens]; or
+  emb.npy              embeddings [N, D] (+ emb.tokens.npy [N, T, D]) and emb.paths.json (their paths, in order)
+  emb.skipped.tsv      path and reason of each input not embedded (empty, truncated, corrupt, not an image)
+  emb.parquet.partial/ while running: the finished chunks and the manifest a resumed run continues from
+
+several GPUs: torchrun --nproc-per-node N -m vit_triton embed INPUT --model M --output OUT
+  shards the chunks over the processes and writes the same output as one process.""",
+        help="write one embedding per image of a folder, list or glob: resumable, on one or several GPUs",
+        description=textwrap.fill(
+            "Embed every image of INPUT with a checkpoint: decode and preprocess in DataLoader worker processes "
+            "while the GPU runs, write finished chunks atomically, merge them into OUT at the end. Files that "
+            "cannot be read are skipped and listed with the reason; the run never stops for one. Killed (even "
+            "with kill -9), the same command continues where it stopped, without duplicates or gaps; run again "
+            "after it finished, it does nothing.", 100),
+    )
+    embed.add_argument("input", metavar="INPUT",
+                       help="a directory (recursive; hidden files left out), a text file of paths (one per line, "
+                            "relative to the current directory), or a glob pattern in quotes ('imgs/**/*.jpg')")
+    embed.add_argument("--model", required=True, help=_MODEL_HELP)
+    embed.add_argument("--output", required=True, metavar="OUT",
+                       help="the output file: .parquet (Parquet) or .npy (NumPy, with OUT's .paths.json)")
+    embed.add_argument("--normalize", action="store_true", help="L2-normalize each pooled embedding")
+    embed.add_argument("--tokens", action="store_true",
+                       help="also write all tokens [T, D] of each image (the final-norm features), besides the "
+                            "pooled embedding (class token, or the mean of the patch tokens, as the model pools)")
+    embed.add_argument("--output-dtype", choices=["float32", "float16"], default="float32",
+                       help="dtype of the written embeddings (default float32)")
+    embed.add_argument("--num-workers", type=int, default=None,
+                       help="DataLoader worker processes decoding images, per GPU (default: the CPUs per process, "
+                            "less one); 0 decodes in the main process, without overlap")
+    embed.add_argument("--chunk-size", type=int, default=None,
+                       help="images per chunk: the unit written atomically and redone after a kill (default 4096, "
+                            "512 with --tokens); a resumed run must use the same")
+    embed.add_argument("--overwrite", action="store_true",
+                       help="delete OUT and any unfinished run into it, and start over")
+    embed.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                       help="progress bar with images/s on stderr (default: when stderr is a terminal)")
+    _add_runtime_options(embed, "images per forward pass, per GPU (default 256 on a GPU, 4 in the interpreter)")
+
+
+def _add_runtime_options(p: argparse.ArgumentParser, batch_help: str) -> None:
+    p.add_argument("--batch-size", type=int, default=None, help=batch_help)
+    p.add_argument("--dtype", choices=list(_DTYPES), default=None,
+                   help="compute dtype of the model (default bf16 on a GPU, fp32 in the CPU interpreter)")
+    p.add_argument("--device", default=None,
+                   help="torch device (default: cuda, or cuda:LOCAL_RANK under torchrun; without a CUDA device, "
+                        "cpu through Triton's interpreter)")
 
 
 def _dtype(name: str):
@@ -61,9 +145,7 @@ def _dtype(name: str):
 def _bench(args: argparse.Namespace) -> int:
     import torch
 
-    on_gpu = torch.cuda.is_available()
-    if not on_gpu:
-        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined (first vit_triton import below)
+    on_gpu = _interpret_without_cuda(None)
     from pathlib import Path
 
     from .model import PRESETS
@@ -117,9 +199,7 @@ def _bench_without_gpu(dtype) -> int:
 def _verify(args: argparse.Namespace) -> int:
     import torch
 
-    on_gpu = torch.cuda.is_available()
-    if not on_gpu:
-        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined (first vit_triton import below)
+    on_gpu = _interpret_without_cuda(None)
     from .bench.verify import format_table, verify
     from .model import PRESETS
 
@@ -146,8 +226,86 @@ def _verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def _interpret_without_cuda(device: str | None) -> bool:
+    """True on a GPU; otherwise sets TRITON_INTERPRET, which must precede the kernels' definition
+    (the first import of vit_triton's model, in each command below)."""
+    import torch
+
+    on_gpu = torch.cuda.is_available() and (device is None or device.startswith("cuda"))
+    if not on_gpu:
+        os.environ["TRITON_INTERPRET"] = "1"
+    return on_gpu
+
+
+def _classify(args: argparse.Namespace) -> int:
+    on_gpu = _interpret_without_cuda(args.device)
+    import json
+
+    from .loaders import from_pretrained
+    from .pipelines import UsageError, classify
+
+    if args.top_k < 1 or (args.batch_size is not None and args.batch_size < 1):
+        raise UsageError("--top-k and --batch-size must be at least 1")
+    model = from_pretrained(args.model, device=args.device or ("cuda" if on_gpu else "cpu"),
+                            dtype=_dtype(args.dtype or ("bf16" if on_gpu else "fp32")))
+    if model.head is None:
+        raise UsageError(f"--model {args.model} has no classification head ({model.checkpoint.architecture}): "
+                         f"use vit-triton embed for its embeddings")
+    results, failed = [], 0
+    for result in classify(model, args.images, top_k=args.top_k, batch_size=args.batch_size or 8):
+        if "error" in result:
+            failed += 1
+            print(f"vit-triton classify: cannot read {result['path']}: {result['error']}", file=sys.stderr)
+        if args.json:
+            results.append(result)
+        elif "predictions" in result:
+            print(result["path"])
+            for p in result["predictions"]:
+                print(f"  {p['probability']:.4f}  {p['label']}")
+    if args.json:
+        print(json.dumps(results, indent=1))
+    return EXIT_FAILURE if failed else EXIT_OK
+
+
+def _embed(args: argparse.Namespace) -> int:
+    _interpret_without_cuda(args.device)
+    from .pipelines import EmbedOptions, embed
+
+    summary = embed(EmbedOptions(
+        model=args.model, input=args.input, output=args.output, batch_size=args.batch_size,
+        num_workers=args.num_workers, chunk_size=args.chunk_size, normalize=args.normalize, tokens=args.tokens,
+        dtype=args.dtype and _dtype(args.dtype), output_dtype=args.output_dtype, device=args.device,
+        overwrite=args.overwrite, progress=args.progress,
+    ))
+    if summary is not None:  # rank 0
+        this_run = "nothing to do"
+        if summary.processed:
+            this_run = (f"{summary.processed} images in {summary.seconds:.1f} s, "
+                        f"{summary.processed / summary.seconds:.1f} images/s")
+        print(f"vit-triton embed: done {summary.done}, skipped {summary.skipped} (listed in "
+              f"{summary.skipped_file}); this run: {this_run} -> {summary.output}", flush=True)
+    return EXIT_OK
+
+
+def _run_reporting_errors(command, args: argparse.Namespace) -> int:
+    """Every failure becomes one line on stderr and an exit status (see _EXIT_CODES); bugs keep their traceback."""
+    try:
+        return command(args)
+    except KeyboardInterrupt:
+        print(f"vit-triton {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except (ValueError, OSError, RuntimeError) as e:
+        from .loaders import CheckpointNotFound
+        from .pipelines import UsageError
+
+        print(f"vit-triton {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE if isinstance(e, (UsageError, CheckpointNotFound)) else EXIT_FAILURE
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command in ("classify", "embed"):
+        return _run_reporting_errors({"classify": _classify, "embed": _embed}[args.command], args)
     return {"verify": _verify, "bench": _bench}[args.command](args)
 
 

@@ -1,10 +1,13 @@
-"""Checkpoint loaders: HuggingFace and timm models to (ViTConfig, state dict in our names).
+"""Checkpoint loaders: HuggingFace and timm models and checkpoints to (ViTConfig, state dict in our names).
 
 All key mapping lives here; the model knows nothing of checkpoints.
 """
 
+from .files import CheckpointNotFound
 from .hf import from_hf, hf_config_to_vit, hf_num_classes, hf_state_dict_to_vit
+from .pretrained import CheckpointInfo, from_pretrained, read_checkpoint
 from .timm import from_timm, timm_config_to_vit, timm_state_dict_to_vit
 
-__all__ = ["from_hf", "from_timm", "hf_config_to_vit", "hf_num_classes", "hf_state_dict_to_vit",
-           "timm_config_to_vit", "timm_state_dict_to_vit"]
+__all__ = ["CheckpointInfo", "CheckpointNotFound", "from_hf", "from_pretrained", "from_timm", "hf_config_to_vit",
+           "hf_num_classes", "hf_state_dict_to_vit", "read_checkpoint", "timm_config_to_vit",
+           "timm_state_dict_to_vit"]

@@ -1,0 +1,159 @@
+"""Throughput of `vit-triton embed` on a GPU, with and without decoding overlapped with the model.
+
+Generates --num-images JPEGs of ImageNet-like sizes, saves a ViT-B/16 checkpoint with random weights
+in timm's layout (config.json + model.safetensors), and embeds the folder twice with the package's
+own pipeline: with --num-workers 0 (decode, preprocess, then compute, in turn) and with N DataLoader
+workers (decoding overlapped with the GPU). Also times the two ceilings, the model alone on ready
+batches and decoding alone in one process, and checks that both runs wrote identical embeddings.
+
+    python scripts/embed_throughput.py [--num-images 3000] [--batch-size 256] [--workers N] [--json out.json]
+
+Needs a CUDA device, timm (for the checkpoint's weights), pyarrow. Takes about a minute on an H100.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from multiprocessing import Pool
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, installed or not
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from PIL import Image  # noqa: E402
+
+SIZES = [(500, 375), (375, 500), (500, 333), (640, 480), (480, 640), (800, 600)]  # (width, height)
+
+
+def _make_jpeg(args: tuple[int, str]) -> None:
+    """A smooth random image with grain, so that it compresses like a photo (~50-150 KB)."""
+    seed, path = args
+    rng = np.random.default_rng(seed)
+    w, h = SIZES[seed % len(SIZES)]
+    coarse = Image.fromarray(rng.integers(0, 256, (9, 12, 3), dtype=np.uint8)).resize((w, h), Image.BICUBIC)
+    pixels = np.asarray(coarse, dtype=np.int16) + rng.integers(-12, 13, (h, w, 3), dtype=np.int16)
+    Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).save(path, quality=90)
+
+
+def make_images(folder: Path, count: int) -> list[str]:
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = [str(folder / f"{i // 1000:03d}" / f"img{i:06d}.jpg") for i in range(count)]
+    for d in {os.path.dirname(p) for p in paths}:
+        os.makedirs(d, exist_ok=True)
+    with Pool(os.cpu_count()) as pool:
+        pool.map(_make_jpeg, list(enumerate(paths)), chunksize=32)
+    return paths
+
+
+def make_checkpoint(folder: Path) -> Path:
+    """vit_base_patch16_224 with random weights, as a timm hub repository lays it out."""
+    import timm
+    from safetensors.torch import save_file
+
+    model = timm.create_model("vit_base_patch16_224", pretrained=False, num_classes=1000)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps({
+        "architecture": "vit_base_patch16_224", "num_classes": 1000, "global_pool": "token",
+        "pretrained_cfg": {"input_size": [3, 224, 224], "interpolation": "bicubic", "crop_pct": 0.9,
+                           "crop_mode": "center", "mean": [0.5, 0.5, 0.5], "std": [0.5, 0.5, 0.5]}}))
+    return folder
+
+
+def model_ceiling(checkpoint: Path, batch_size: int, iters: int = 20) -> float:
+    """Images/s of normalize + forward on uint8 batches already on the GPU: the model's own limit."""
+    from vit_triton import Preprocess, from_pretrained
+
+    model = from_pretrained(checkpoint, device="cuda", dtype=torch.bfloat16)
+    pre = Preprocess.for_model(model)
+    pixels = torch.randint(0, 256, (batch_size, 3, 224, 224), dtype=torch.uint8, device="cuda")
+    with torch.inference_mode():
+        for _ in range(3):
+            model.forward_head(model.forward_features(pre.normalize(pixels)), pre_logits=True)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            model.forward_head(model.forward_features(pre.normalize(pixels)), pre_logits=True)
+        end.record()
+        torch.cuda.synchronize()
+    return batch_size * iters / (start.elapsed_time(end) / 1000)
+
+
+def decode_ceiling(checkpoint: Path, paths: list[str], count: int = 200) -> float:
+    """Images/s of decoding + resize + crop in one process (one core): what each worker adds."""
+    from vit_triton import Preprocess
+    from vit_triton.data.files import ImageFiles
+
+    pre = Preprocess.from_timm(json.loads((checkpoint / "config.json").read_text())["pretrained_cfg"])
+    dataset = ImageFiles(paths[:count], pre)
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    for i in range(len(dataset)):
+        dataset[i]
+    seconds = time.perf_counter() - start
+    torch.set_num_threads(os.cpu_count())
+    return len(dataset) / seconds
+
+
+def run_embed(checkpoint: Path, input_spec: str, output: Path, batch_size: int, workers: int) -> float:
+    from vit_triton.pipelines import EmbedOptions, embed
+
+    summary = embed(EmbedOptions(model=str(checkpoint), input=input_spec, output=str(output), batch_size=batch_size,
+                                 num_workers=workers, overwrite=True, progress=False), log=lambda msg: None)
+    assert summary.skipped == 0 and summary.done == summary.processed, summary
+    return summary.processed / summary.seconds
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-images", type=int, default=3000)
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
+                        help="DataLoader workers of the overlapped run (default: the CPUs less one, as embed's)")
+    parser.add_argument("--dir", default=None, help="working folder (default: a temporary one)")
+    parser.add_argument("--json", default=None, help="also write the results here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("embed_throughput.py needs a CUDA device")
+    import pyarrow.parquet as pq
+
+    root = Path(args.dir or tempfile.mkdtemp(prefix="embed_throughput_"))
+    t0 = time.perf_counter()
+    paths = make_images(root / "images", args.num_images)
+    checkpoint = make_checkpoint(root / "vit_base_patch16_224")
+    print(f"{args.num_images} JPEGs and a ViT-B/16 checkpoint in {time.perf_counter() - t0:.1f} s under {root}",
+          flush=True)
+
+    # Compile and autotune the kernels (batch shapes of the runs below) before anything is timed.
+    warm = root / "warm.txt"
+    warm.write_text("\n".join(paths[: 2 * args.batch_size + args.num_images % args.batch_size]) + "\n")
+    run_embed(checkpoint, str(warm), root / "warm.parquet", args.batch_size, args.workers)
+
+    results = {
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "triton": __import__("triton").__version__, "cpus": os.cpu_count(), "num_images": args.num_images,
+        "batch_size": args.batch_size, "model": "vit_base_patch16_224 (random weights), bfloat16",
+        "model_only_images_per_s": model_ceiling(checkpoint, args.batch_size),
+        "decode_one_process_images_per_s": decode_ceiling(checkpoint, paths),
+        "embed_workers_0_images_per_s": run_embed(checkpoint, str(root / "images"), root / "w0.parquet",
+                                                  args.batch_size, 0),
+        f"embed_workers_{args.workers}_images_per_s": run_embed(checkpoint, str(root / "images"),
+                                                                root / "wN.parquet", args.batch_size, args.workers),
+    }
+    a, b = pq.read_table(root / "w0.parquet"), pq.read_table(root / "wN.parquet")
+    results["outputs_identical"] = a.equals(b)
+    for key, value in results.items():
+        print(f"{key:40s} {value:.1f}" if isinstance(value, float) else f"{key:40s} {value}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0 if results["outputs_identical"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

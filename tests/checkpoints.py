@@ -1,0 +1,109 @@
+"""Test-side helpers: tiny checkpoints saved the way transformers and timm save them, and image files."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from tests.numerics import randomize_
+
+TINY_HF = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=96,
+               image_size=32, patch_size=8)
+# timm's own architecture names, shrunk by the arguments a user would pass to create_model.
+TINY_TIMM = dict(img_size=32, patch_size=8, depth=2)
+
+
+def hf_model(cls_name: str, seed: int = 0, **kw) -> torch.nn.Module:
+    """A randomized transformers ViT*/DeiT* model of TINY_HF's shape, in eval mode."""
+    import transformers
+
+    config_cls = transformers.DeiTConfig if cls_name.startswith("DeiT") else transformers.ViTConfig
+    model = getattr(transformers, cls_name)(config_cls(**{**TINY_HF, **kw}))
+    return randomize_(model, seed=seed).eval()
+
+
+def save_hf(model: torch.nn.Module, directory: Path, processor: dict | None = None, **save_kw) -> Path:
+    """save_pretrained, plus a preprocessor_config.json written by the processor class itself."""
+    import transformers
+
+    model.save_pretrained(directory, **save_kw)
+    if processor is not None:
+        cls = transformers.DeiTImageProcessor if type(model).__name__.startswith("DeiT") \
+            else transformers.ViTImageProcessor
+        cls(**processor).save_pretrained(directory)
+    return directory
+
+
+def timm_model(name: str, seed: int = 0, **kw) -> torch.nn.Module:
+    import timm
+
+    return randomize_(timm.create_model(name, pretrained=False, **{**TINY_TIMM, **kw}), seed=seed).eval()
+
+
+def save_timm(model: torch.nn.Module, directory: Path, weights: str = "model.safetensors",
+              model_args: bool = True, **config) -> Path:
+    """The layout of a timm hub repository: config.json (architecture, pretrained_cfg and, as timm
+    records it now, model_args; without them as older hub configs are) and the weights."""
+    from safetensors.torch import save_file
+    from timm.models._hub import save_config_for_hf
+
+    directory.mkdir(parents=True, exist_ok=True)
+    save_config_for_hf(model, str(directory / "config.json"))
+    cfg = json.loads((directory / "config.json").read_text())
+    if not model_args:
+        cfg.pop("model_args", None)
+    cfg.update(config)
+    (directory / "config.json").write_text(json.dumps(cfg, indent=2))
+    sd = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if weights.endswith(".safetensors"):
+        save_file(sd, directory / weights)
+    else:
+        torch.save(sd, directory / weights)
+    return directory
+
+
+def image(seed: int, height: int, width: int, mode: str = "RGB") -> Image.Image:
+    """A smooth gradient with noise, so that resampling filters differ from each other."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    base = np.stack([np.sin(x / (5.0 + c) + seed) * 90 + np.cos(y / 6.0) * 40 + 120 for c in range(3)], -1)
+    pixels = np.clip(base + rng.normal(0, 20, base.shape), 0, 255).astype(np.uint8)
+    return Image.fromarray(pixels).convert(mode)
+
+
+def write_images(directory: Path, count: int, start: int = 0) -> list[Path]:
+    """`count` good images of assorted sizes, alternating PNG and JPEG, some in a subfolder."""
+    paths = []
+    for i in range(start, start + count):
+        sub = directory / ("sub" if i % 3 == 2 else "")
+        sub.mkdir(parents=True, exist_ok=True)
+        path = sub / f"img{i:03d}.{'png' if i % 2 else 'jpg'}"
+        image(i, 30 + 7 * (i % 5), 28 + 11 * (i % 4)).save(path)
+        paths.append(path)
+    return paths
+
+
+def write_bad_files(directory: Path) -> dict[Path, str]:
+    """One file of each kind a run must skip, with the start of the reason it must give."""
+    directory.mkdir(parents=True, exist_ok=True)
+    jpeg, png = io.BytesIO(), io.BytesIO()
+    image(99, 40, 40).save(jpeg, "JPEG")
+    image(98, 40, 40).save(png, "PNG")
+    corrupt = bytearray(png.getvalue())
+    middle = len(corrupt) // 2
+    corrupt[middle:middle + 64] = bytes(b ^ 0x5A for b in corrupt[middle:middle + 64])
+    bad = {
+        directory / "empty.jpg": b"",
+        directory / "notes.txt": b"not an image at all\n",
+        directory / "truncated.jpg": jpeg.getvalue()[: len(jpeg.getvalue()) // 2],
+        directory / "corrupt.png": bytes(corrupt),
+    }
+    for path, data in bad.items():
+        path.write_bytes(data)
+    reasons = ["empty file", "not an image", "truncated or corrupt", "truncated or corrupt"]
+    return dict(zip(bad, reasons))

@@ -1,0 +1,147 @@
+"""The checkpoint's own preprocessing: pixels equal (not close) to transformers' and timm's, and decoding."""
+
+import json
+
+import pytest
+import torch
+
+from tests.checkpoints import hf_model, image, save_hf, save_timm, timm_model, write_bad_files
+from vit_triton import from_pretrained
+from vit_triton.data import Preprocess, UnreadableImage, load_image
+
+# (height, width) of the inputs: larger and smaller than the outputs, odd, square, very wide.
+SIZES = [(64, 80), (31, 29), (40, 40), (17, 100), (300, 251)]
+IMAGENET = dict(image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225])
+
+HF_PROCESSORS = {
+    "vit-bilinear": ("ViTImageProcessor", dict(size={"height": 40, "width": 40})),
+    "vit-bicubic-no-normalize": ("ViTImageProcessor", dict(size={"height": 33, "width": 37}, resample=3,
+                                                           do_normalize=False)),
+    "deit-crop": ("DeiTImageProcessor", dict(size={"height": 45, "width": 45},
+                                             crop_size={"height": 32, "width": 32}, **IMAGENET)),
+    "deit-shortest-edge-bilinear": ("DeiTImageProcessor", dict(size={"shortest_edge": 36}, resample=2,
+                                                               crop_size={"height": 32, "width": 31})),
+    "vit-nearest-no-rescale": ("ViTImageProcessor", dict(size={"height": 24, "width": 24}, resample=0,
+                                                         do_rescale=False)),
+}
+
+
+@pytest.mark.parametrize("case", HF_PROCESSORS)
+def test_equal_to_transformers_image_processor(case, tmp_path):
+    import transformers
+
+    cls, kw = HF_PROCESSORS[case]
+    getattr(transformers, cls)(**kw).save_pretrained(tmp_path)
+    theirs = transformers.AutoImageProcessor.from_pretrained(tmp_path)  # what a user of transformers gets
+    ours = Preprocess.from_hf(json.loads((tmp_path / "preprocessor_config.json").read_text()))
+    for seed, (h, w) in enumerate(SIZES):
+        img = image(seed, h, w)
+        want = theirs(img, return_tensors="pt")["pixel_values"][0]
+        got = ours(img)
+        assert got.dtype == torch.float32 and got.shape == want.shape == (3, *ours.size)
+        assert torch.equal(got, want), f"{case} {h}x{w}: max difference {(got - want).abs().max()}"
+
+
+TIMM_CFGS = {
+    "bicubic-0.9": dict(input_size=(3, 32, 32), interpolation="bicubic", crop_pct=0.9, mean=(0.5,) * 3,
+                        std=(0.5,) * 3),
+    "bilinear-squash": dict(input_size=(3, 32, 32), interpolation="bilinear", crop_pct=0.875, crop_mode="squash"),
+    "crop_pct-1": dict(input_size=(3, 24, 24), interpolation="bicubic", crop_pct=1.0),
+    "lanczos-padded": dict(input_size=(3, 24, 24), interpolation="lanczos", crop_pct=1.2),
+    "defaults": dict(input_size=(3, 24, 24)),
+}
+
+
+@pytest.mark.parametrize("case", TIMM_CFGS)
+def test_equal_to_timm_eval_transform(case):
+    from timm.data import create_transform, resolve_data_config
+
+    cfg = TIMM_CFGS[case]
+    theirs = create_transform(**resolve_data_config(pretrained_cfg=cfg))
+    ours = Preprocess.from_timm(cfg)
+    for seed, (h, w) in enumerate(SIZES + [(25, 25)]):
+        img = image(seed, h, w)
+        assert torch.equal(ours(img), theirs(img)), f"{case} {h}x{w}"
+
+
+def test_normalize_on_a_uint8_batch_equals_per_image():
+    pre = Preprocess.from_timm(TIMM_CFGS["bicubic-0.9"])
+    imgs = [image(i, 50, 41 + i) for i in range(3)]
+    batch = pre.normalize(torch.stack([pre.resize_crop(i) for i in imgs]))
+    assert torch.equal(batch, torch.stack([pre(i) for i in imgs]))
+
+
+def test_for_model_uses_the_checkpoints_preprocessing(tmp_path):
+    import timm.data
+    import transformers
+
+    model = hf_model("DeiTForImageClassification", num_labels=2)
+    directory = save_hf(model, tmp_path / "hf", processor=dict(size={"height": 36, "width": 36},
+                                                                crop_size={"height": 32, "width": 32}))
+    pre = Preprocess.for_model(from_pretrained(directory, device="cpu"))
+    img = image(0, 50, 70)
+    theirs = transformers.AutoImageProcessor.from_pretrained(directory)
+    assert torch.equal(pre(img), theirs(img, return_tensors="pt")["pixel_values"][0])
+
+    directory = save_timm(timm_model("vit_tiny_patch16_224", embed_dim=64, num_heads=2), tmp_path / "timm")
+    pre = Preprocess.for_model(from_pretrained(directory, device="cpu"))
+    # as timm.create_model("hf-hub:...") resolves it: the pretrained_cfg of the checkpoint's config.json
+    pretrained_cfg = json.loads((directory / "config.json").read_text())["pretrained_cfg"]
+    theirs = timm.data.create_transform(**timm.data.resolve_data_config(pretrained_cfg=pretrained_cfg))
+    assert torch.equal(pre(img), theirs(img))
+
+
+def test_without_preprocessor_config_the_processor_defaults_at_the_model_size(tmp_path):
+    model = from_pretrained(save_hf(hf_model("ViTModel"), tmp_path), device="cpu")
+    pre = Preprocess.for_model(model)
+    assert (pre.resize, pre.crop, pre.resample, pre.mean) == ((32, 32), None, "bilinear", (0.5, 0.5, 0.5))
+
+
+def test_preprocessing_for_another_size_is_an_error(tmp_path):
+    directory = save_hf(hf_model("ViTModel"), tmp_path, processor=dict(size={"height": 224, "width": 224}))
+    with pytest.raises(ValueError, match="gives 224x224 images but the model takes 32x32"):
+        Preprocess.for_model(from_pretrained(directory, device="cpu"))
+
+
+@pytest.mark.parametrize("config, match", [
+    ({"image_processor_type": "CLIPImageProcessor"}, r"unsupported image processor 'CLIPImageProcessor'; "
+                                                      r"supported: ViTImageProcessor, DeiTImageProcessor"),
+    ({"resample": 1}, r"unsupported resample 1 .*supported: 0 \(nearest\), 2 \(bilinear\), 3 \(bicubic\)"),
+    ({"size": {"shortest_edge": 40}}, "must give a fixed image size"),
+    ({"size": {"longest_edge": 40}}, "unsupported image processor size"),
+])
+def test_unsupported_transformers_preprocessing(config, match):
+    with pytest.raises(ValueError, match=match):
+        Preprocess.from_hf(config)
+
+
+def test_unsupported_timm_preprocessing():
+    with pytest.raises(ValueError, match="unsupported timm crop_mode 'border'; supported: center, squash"):
+        Preprocess.from_timm({"crop_mode": "border"})
+    with pytest.raises(ValueError, match="unsupported timm resample 'random'"):
+        Preprocess.from_timm({"interpolation": "random"})
+
+
+def test_feature_extractor_configs_from_the_hub_read_as_their_processor():
+    # google/vit-base-patch16-224's and facebook/deit-base-distilled-patch16-224's files, verbatim
+    vit = Preprocess.from_hf({"do_normalize": True, "do_resize": True, "feature_extractor_type": "ViTFeatureExtractor",
+                              "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "resample": 2, "size": 224})
+    assert (vit.resize, vit.crop, vit.rescale) == ((224, 224), None, 1 / 255)
+    deit = Preprocess.from_hf({"crop_size": 224, "do_center_crop": True, "do_normalize": True, "do_resize": True,
+                               "feature_extractor_type": "DeiTFeatureExtractor", "resample": 3, "size": 256,
+                               "image_mean": [0.485, 0.456, 0.406], "image_std": [0.229, 0.224, 0.225]})
+    assert (deit.resize, deit.crop, deit.resample) == ((256, 256), (224, 224), "bicubic")
+
+
+def test_load_image_reasons(tmp_path):
+    for path, reason in write_bad_files(tmp_path).items():
+        with pytest.raises(UnreadableImage, match=reason):
+            load_image(path)
+    with pytest.raises(UnreadableImage, match="cannot read file: No such file or directory"):
+        load_image(tmp_path / "missing.png")
+    with pytest.raises(UnreadableImage, match="cannot read file: Is a directory"):
+        load_image(tmp_path)
+    image(1, 20, 30, mode="RGBA").save(tmp_path / "alpha.png")
+    image(2, 20, 30, mode="L").save(tmp_path / "gray.png")
+    assert load_image(tmp_path / "alpha.png").mode == load_image(tmp_path / "gray.png").mode == "RGB"
+    assert load_image(tmp_path / "gray.png", mode="L").size == (30, 20)

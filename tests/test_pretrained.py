@@ -1,0 +1,196 @@
+"""from_pretrained: checkpoints saved by transformers and timm, read back without them, against them."""
+
+import copy
+import json
+import shutil
+
+import pytest
+import torch
+
+from tests.checkpoints import hf_model, save_hf, save_timm, timm_model
+from tests.numerics import DEVICE, assert_close
+from vit_triton import from_hf, from_pretrained, from_timm
+from vit_triton.loaders import CheckpointNotFound, read_checkpoint, timm_config_to_vit
+
+
+def _check(ours, ref, features_and_output) -> None:
+    """ours' forward_features and forward in float32 against ref's in float64."""
+    ref64 = copy.deepcopy(ref).double()
+    pixels = torch.randn(2, 3, ours.config.image_size, ours.config.image_size)
+    with torch.no_grad():
+        want = features_and_output(ref64, pixels.double())
+        features = ours.forward_features(pixels.to(DEVICE))
+        got = (features, ours.forward_head(features))
+    for g, w in zip(got, want):
+        assert_close(g, w.to(DEVICE), torch.float32)
+
+
+def _hf_outputs(model, pixels):
+    name = type(model).__name__
+    inner = getattr(model, "vit", None) or getattr(model, "deit", None) or model
+    features = inner(pixels).last_hidden_state
+    if name in ("ViTModel", "DeiTModel"):
+        return features, features[:, 0]
+    return features, model(pixels).logits
+
+
+HF_CASES = {
+    "ViTForImageClassification": dict(num_labels=5, id2label={i: f"kind {i}" for i in range(5)}),
+    "ViTModel": dict(qkv_bias=False, hidden_act="gelu_pytorch_tanh"),
+    "DeiTModel": dict(),
+    "DeiTForImageClassification": dict(num_labels=3),
+    "DeiTForImageClassificationWithTeacher": dict(num_labels=4),
+}
+
+
+@pytest.mark.parametrize("name", HF_CASES)
+def test_transformers_checkpoint_matches_transformers(name, tmp_path):
+    ref = hf_model(name, **HF_CASES[name])
+    ours = from_pretrained(save_hf(ref, tmp_path), device=DEVICE, dtype=torch.float32)
+    assert ours.config.dist_token == name.startswith("DeiT")
+    assert ours.config.head_dist == name.endswith("WithTeacher")
+    assert ours.config == from_hf(ref).config
+    assert ours.checkpoint.library == "transformers" and ours.checkpoint.architecture == name
+    if name == "ViTForImageClassification":
+        assert ours.checkpoint.id2label == {i: f"kind {i}" for i in range(5)}
+    _check(ours, ref, _hf_outputs)
+
+
+def test_from_hf_takes_a_deit_with_teacher():
+    ref = hf_model("DeiTForImageClassificationWithTeacher", num_labels=3)
+    _check(from_hf(copy.deepcopy(ref).to(DEVICE)), ref, _hf_outputs)
+
+
+def test_sharded_safetensors_and_pickled_weights_load_the_same(tmp_path):
+    ref = hf_model("ViTForImageClassification", num_labels=3)
+    sharded = save_hf(ref, tmp_path / "sharded", max_shard_size="40KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert len(list(sharded.glob("model-*.safetensors"))) > 1
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    shutil.copy(sharded / "config.json", pickled)
+    cfg, sd, _ = read_checkpoint(sharded)
+    from safetensors.torch import load_file
+    hub_keys = {}
+    for shard in sharded.glob("model-*.safetensors"):
+        hub_keys.update(load_file(shard))
+    torch.save(hub_keys, pickled / "pytorch_model.bin")
+    cfg2, sd2, _ = read_checkpoint(pickled)
+    assert cfg == cfg2 and sd.keys() == sd2.keys()
+    assert all(torch.equal(sd[k], sd2[k]) for k in sd)
+    assert all(torch.equal(sd[k], v) for k, v in from_hf(ref).state_dict().items())
+
+
+def _timm_outputs(model, pixels):
+    features = model.forward_features(pixels)
+    return features, model.forward_head(features)
+
+
+TIMM_CASES = {
+    # name, create_model arguments, config.json as timm writes it now (model_args) or as older hub ones
+    "vit-model_args": ("vit_tiny_patch16_224", dict(embed_dim=64, num_heads=2, num_classes=5), True),
+    "deit-distilled-hub-config": ("deit_tiny_distilled_patch16_224", dict(num_classes=3), False),
+    "vit-avg-registers-no_embed_class": ("vit_tiny_patch16_224", dict(
+        embed_dim=64, num_heads=2, class_token=False, global_pool="avg", fc_norm=True, reg_tokens=2,
+        no_embed_class=True, num_classes=0), True),
+    # act_layer and LayerNorm eps are the architecture's, recorded nowhere: read from its name
+    "clip-quickgelu": ("vit_base_patch16_clip_quickgelu_224", dict(embed_dim=64, num_heads=2, num_classes=2), True),
+}
+
+
+@pytest.mark.parametrize("case", TIMM_CASES)
+def test_timm_checkpoint_matches_timm(case, tmp_path):
+    name, kw, model_args = TIMM_CASES[case]
+    ref = timm_model(name, **kw)
+    weights = "model.safetensors" if model_args else "pytorch_model.bin"
+    directory = save_timm(ref, tmp_path, weights=weights, model_args=model_args)
+    # a weights file with its config.json beside it names the same checkpoint as the directory
+    ours = from_pretrained(directory / weights if case.startswith("deit") else directory,
+                           device=DEVICE, dtype=torch.float32)
+    assert ours.config == timm_config_to_vit(ref)  # what the live module says, incl. eps and activation
+    assert ours.checkpoint.library == "timm" and ours.checkpoint.architecture == name
+    assert ours.checkpoint.preprocessing["input_size"] == [3, 32, 32]
+    _check(ours, ref, _timm_outputs)
+
+
+def test_from_timm_takes_a_distilled_deit():
+    ref = timm_model("deit_tiny_distilled_patch16_224", embed_dim=64, num_heads=2, num_classes=3)
+    _check(from_timm(copy.deepcopy(ref).to(DEVICE)), ref, _timm_outputs)
+
+
+def test_timm_label_names_and_descriptions(tmp_path):
+    ref = timm_model("vit_tiny_patch16_224", embed_dim=64, num_heads=2, num_classes=3)
+    directory = save_timm(ref, tmp_path, label_names=["n1", "n2", "n3"], label_descriptions={"n1": "one", "n3": "three"})
+    _, _, info = read_checkpoint(directory)
+    assert info.id2label == {0: "one", 1: "n2", 2: "three"}
+
+
+def test_dtype_and_device(tmp_path):
+    model = from_pretrained(save_hf(hf_model("ViTModel"), tmp_path), device=DEVICE)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert {p.device.type for p in model.parameters()} == {DEVICE.type}
+    assert not model.training
+
+
+def _edit_weights(directory, delete=(), put=None):
+    """Rewrite a saved model.safetensors without the keys in `delete`, with the tensors in `put`."""
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(directory / "model.safetensors")
+    for key in delete:
+        del sd[key]
+    save_file({**sd, **(put or {})}, directory / "model.safetensors")
+    return directory
+
+
+def test_mismatched_weights_list_every_key(tmp_path):
+    directory = _edit_weights(
+        save_hf(hf_model("DeiTForImageClassificationWithTeacher", num_labels=3), tmp_path),
+        delete=("deit.encoder.layer.1.output.dense.bias", "distillation_classifier.weight"),
+        put={"deit.encoder.layer.0.adapter.weight": torch.zeros(2), "cls_classifier.weight": torch.zeros(3, 65)})
+    with pytest.raises(ValueError) as err:
+        from_pretrained(directory)
+    msg = str(err.value)
+    for line in ("missing: blocks.1.fc2.bias [64]", "missing: head_dist.weight [3, 64]",
+                 "unexpected: deit.encoder.layer.0.adapter.weight",
+                 "wrong shape: head.weight is [3, 65], expected [3, 64]"):
+        assert line in msg
+
+
+def test_classifier_without_its_head_is_reported_missing(tmp_path):
+    directory = _edit_weights(save_hf(hf_model("ViTForImageClassification", num_labels=3), tmp_path),
+                              delete=("classifier.weight", "classifier.bias"))
+    with pytest.raises(ValueError, match=r"missing: head\.weight \[3, 64\]"):
+        read_checkpoint(directory)
+
+
+@pytest.mark.parametrize("edit, match", [
+    (dict(architectures=["ViTMAEModel"], model_type="vit_mae"), r"unsupported architecture ViTMAEModel .*"
+                                                                 r"supported: transformers ViTModel, .*timm"),
+    (dict(architectures=["ViTForMaskedImageModeling"]), "unsupported architecture ViTForMaskedImageModeling"),
+    (dict(architecture="convnext_tiny"), r"unsupported architecture convnext_tiny \(timm\); supported:"),
+])
+def test_unsupported_architectures_name_the_supported_ones(edit, match, tmp_path):
+    directory = save_hf(hf_model("ViTModel"), tmp_path)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, **edit}))
+    with pytest.raises(ValueError, match=match):
+        read_checkpoint(directory)
+
+
+def test_unsupported_timm_features_are_named(tmp_path):
+    directory = save_timm(timm_model("vit_tiny_patch16_224", embed_dim=64, num_heads=2, init_values=0.1,
+                                     qk_norm=True), tmp_path)
+    with pytest.raises(ValueError, match=r"feature in vit_tiny_patch16_224: layer scale \(init_values\); qk_norm"):
+        read_checkpoint(directory)
+
+
+def test_missing_checkpoints(tmp_path):
+    with pytest.raises(CheckpointNotFound, match="no such file or directory: ./nowhere/at/all"):
+        read_checkpoint("./nowhere/at/all")
+    with pytest.raises(CheckpointNotFound, match="no weights in the directory; expected one of model.safetensors"):
+        read_checkpoint(tmp_path)
+    save_hf(hf_model("ViTModel"), tmp_path)
+    (tmp_path / "config.json").unlink()
+    with pytest.raises(CheckpointNotFound, match="no config.json"):
+        read_checkpoint(tmp_path)

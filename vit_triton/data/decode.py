@@ -1,0 +1,39 @@
+"""Reading an image file into a PIL image, or a reason why it cannot be read.
+
+Decoding is the only place where a file's content can fail us, so it is the only place where errors
+are caught and turned into a reason (UnreadableImage): a run over a million files skips the bad ones
+and lists them, while a bug in the code after decoding still stops the run.
+"""
+
+from __future__ import annotations
+
+import os
+
+from PIL import Image, UnidentifiedImageError
+
+
+class UnreadableImage(Exception):
+    """A file that is not a decodable image; str() is the reason, written to the skipped-files list."""
+
+
+def load_image(path: str | os.PathLike, mode: str = "RGB") -> Image.Image:
+    """The fully decoded image at `path` in PIL `mode` ("RGB", or "L" for one-channel models).
+
+    Raises UnreadableImage for a missing, unreadable, empty, non-image, truncated or corrupt file.
+    Transparency is dropped (Pillow's convert), as timm's and torchvision's loaders do; only the first
+    frame of an animation is used.
+    """
+    try:
+        file = open(path, "rb")  # noqa: SIM115 -- closed below, whichever way decoding ends
+    except OSError as e:
+        raise UnreadableImage(f"cannot read file: {e.strerror or e}") from None
+    with file:
+        if os.fstat(file.fileno()).st_size == 0:
+            raise UnreadableImage("empty file")
+        try:
+            with Image.open(file) as image:
+                return image.convert(mode)  # convert() decodes the whole image: truncation shows here
+        except UnidentifiedImageError:
+            raise UnreadableImage("not an image (unrecognised format)") from None
+        except Exception as e:  # noqa: BLE001 -- Pillow raises OSError, SyntaxError, ValueError, ... on bad data
+            raise UnreadableImage(f"truncated or corrupt image: {e}") from None

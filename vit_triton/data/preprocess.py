@@ -1,0 +1,268 @@
+"""A checkpoint's own preprocessing, reproduced operation for operation so that the pixels are equal.
+
+Two conventions, as the two libraries implement them:
+
+- transformers (ViTImageProcessor, DeiTImageProcessor, with the torchvision backend that
+  AutoImageProcessor picks in transformers 5): the uint8 image is resized by torch's antialiased
+  `interpolate` (in uint8 where torchvision does so, else in float32 then rounded), center-cropped
+  with the offset rounded down, and normalized as (x - mean/rescale) / (std/rescale) in float32.
+- timm (`create_transform(**resolve_data_config(...))`, the eval transform): Pillow resizes the
+  shorter side to floor(size / crop_pct) (crop_mode "center") or both sides ("squash"), the center
+  crop offset is rounded to nearest, then (x / 255 - mean) / std in float32.
+
+The work is split where it is cheapest to move: `resize_crop` (PIL image -> uint8 [C, H, W]) runs in
+the DataLoader workers, and `normalize` (uint8 [..., C, H, W] -> float32) on the device, so a quarter
+of the bytes cross to the GPU and the float arithmetic, elementwise and correctly rounded, is the same
+there as on the CPU.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+IMAGENET_DEFAULT_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_DEFAULT_STD = (0.229, 0.224, 0.225)
+IMAGENET_STANDARD_MEAN = (0.5, 0.5, 0.5)
+IMAGENET_STANDARD_STD = (0.5, 0.5, 0.5)
+
+CONVENTIONS = ("transformers", "timm")
+_PIL_FILTERS = {
+    "nearest": Image.Resampling.NEAREST, "bilinear": Image.Resampling.BILINEAR,
+    "bicubic": Image.Resampling.BICUBIC, "box": Image.Resampling.BOX,
+    "hamming": Image.Resampling.HAMMING, "lanczos": Image.Resampling.LANCZOS,
+}
+# transformers' `resample` is a PIL enum value; its torchvision backend supports these three.
+_HF_RESAMPLE = {0: "nearest", 2: "bilinear", 3: "bicubic"}
+# Image processor classes by the name in preprocessor_config.json, with their class defaults.
+_HF_PROCESSORS = {
+    "ViTImageProcessor": dict(do_resize=True, size={"height": 224, "width": 224}, resample=2,
+                              do_center_crop=False, crop_size=None),
+    "DeiTImageProcessor": dict(do_resize=True, size={"height": 256, "width": 256}, resample=3,
+                               do_center_crop=True, crop_size={"height": 224, "width": 224}),
+}
+_HF_COMMON = dict(do_rescale=True, rescale_factor=1 / 255, do_normalize=True,
+                  image_mean=IMAGENET_STANDARD_MEAN, image_std=IMAGENET_STANDARD_STD)
+TIMM_CROP_MODES = ("center", "squash")
+
+
+@dataclass(frozen=True)
+class Preprocess:
+    """Image -> pixel tensor [C, H, W] as the checkpoint's own preprocessing makes it.
+
+    resize: (height, width), or an int that the shorter side is resized to (aspect kept), or None.
+    crop: (height, width) of the center crop (zero-padded where the image is smaller), or None.
+    rescale: the factor uint8 values are multiplied by (transformers; timm always divides by 255).
+    mean, std: per-channel normalization after rescaling, or None for none.
+    """
+
+    convention: str
+    resize: tuple[int, int] | int | None
+    resample: str
+    crop: tuple[int, int] | None
+    rescale: float | None
+    mean: tuple[float, ...] | None
+    std: tuple[float, ...] | None
+
+    def __post_init__(self) -> None:
+        if self.convention not in CONVENTIONS:
+            raise ValueError(f"convention must be one of {CONVENTIONS}, got {self.convention!r}")
+        supported = _PIL_FILTERS if self.convention == "timm" else _HF_RESAMPLE.values()
+        if self.resample not in supported:
+            raise ValueError(f"unsupported {self.convention} resample {self.resample!r}; supported: "
+                             f"{', '.join(supported)}")
+        if self.crop is None and not isinstance(self.resize, tuple):
+            raise ValueError("preprocessing must give a fixed image size: resize to (height, width) or crop")
+        if (self.mean is None) != (self.std is None):
+            raise ValueError("mean and std go together")
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """(height, width) of the pixels this preprocessing produces."""
+        return self.crop or self.resize
+
+    @property
+    def channels(self) -> int:
+        return len(self.mean) if self.mean is not None else 3
+
+    # -- construction from a checkpoint's configuration --
+
+    @classmethod
+    def from_hf(cls, processor_config: dict, architecture: str = "ViTModel",
+                image_size: int | None = None) -> Preprocess:
+        """From preprocessor_config.json; an empty dict gives the processor's defaults at `image_size`
+        (ViTImageProcessor, or DeiTImageProcessor for a DeiT architecture)."""
+        default = "DeiTImageProcessor" if architecture.startswith("DeiT") else "ViTImageProcessor"
+        kind = processor_config.get("image_processor_type") or processor_config.get("feature_extractor_type") or default
+        name = kind.replace("FeatureExtractor", "ImageProcessor").removesuffix("Fast").removesuffix("Pil")
+        if name not in _HF_PROCESSORS:
+            raise ValueError(f"unsupported image processor {kind!r}; supported: {', '.join(_HF_PROCESSORS)} "
+                             f"(and their FeatureExtractor, Fast and Pil spellings)")
+        c = {**_HF_COMMON, **_HF_PROCESSORS[name]}
+        if not processor_config and image_size:
+            c["size"] = image_size * 256 // 224 if c["do_center_crop"] else image_size
+            c["crop_size"] = image_size
+        c.update({k: v for k, v in processor_config.items() if v is not None})
+        if c["resample"] not in _HF_RESAMPLE:
+            raise ValueError(f"unsupported resample {c['resample']!r} in the image processor; supported: "
+                             + ", ".join(f"{k} ({v})" for k, v in _HF_RESAMPLE.items()))
+        return cls(
+            convention="transformers",
+            resize=_hf_size(c["size"], "size", shortest_edge_ok=True) if c["do_resize"] else None,
+            resample=_HF_RESAMPLE[c["resample"]],
+            crop=_hf_size(c["crop_size"], "crop_size") if c["do_center_crop"] else None,
+            rescale=c["rescale_factor"] if c["do_rescale"] else None,
+            mean=tuple(c["image_mean"]) if c["do_normalize"] else None,
+            std=tuple(c["image_std"]) if c["do_normalize"] else None,
+        )
+
+    @classmethod
+    def from_timm(cls, pretrained_cfg: dict, image_size: int | None = None) -> Preprocess:
+        """From a timm pretrained_cfg (config.json's "pretrained_cfg"), resolved as timm's
+        resolve_data_config does; missing entries take timm's defaults (input size: `image_size`)."""
+        input_size = pretrained_cfg.get("input_size") or (3, image_size or 224, image_size or 224)
+        height, width = input_size[-2:]
+        if height != width:
+            raise ValueError(f"non-square timm input_size {list(input_size)} is not supported")
+        crop_pct = pretrained_cfg.get("crop_pct") or 0.875
+        crop_mode = pretrained_cfg.get("crop_mode") or "center"
+        if crop_mode not in TIMM_CROP_MODES:
+            raise ValueError(f"unsupported timm crop_mode {crop_mode!r}; supported: {', '.join(TIMM_CROP_MODES)}")
+        scale = math.floor(height / crop_pct)
+        return cls(
+            convention="timm",
+            resize=scale if crop_mode == "center" else (scale, scale),
+            resample=pretrained_cfg.get("interpolation") or "bicubic",
+            crop=(height, width),
+            rescale=1 / 255,
+            mean=tuple(pretrained_cfg.get("mean") or IMAGENET_DEFAULT_MEAN),
+            std=tuple(pretrained_cfg.get("std") or IMAGENET_DEFAULT_STD),
+        )
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module) -> Preprocess:
+        """The preprocessing of the checkpoint a model was loaded from by vit_triton.from_pretrained."""
+        info = getattr(model, "checkpoint", None)
+        if info is None:
+            raise ValueError("the model was not loaded by vit_triton.from_pretrained, so its preprocessing is "
+                             "unknown: build one with Preprocess.from_hf or Preprocess.from_timm")
+        size = model.config.image_size
+        if info.library == "timm":
+            pre = cls.from_timm(info.preprocessing, size)
+        else:
+            pre = cls.from_hf(info.preprocessing, info.architecture, size)
+        if pre.size != (size, size):
+            raise ValueError(f"the checkpoint's preprocessing gives {pre.size[0]}x{pre.size[1]} images but the model "
+                             f"takes {size}x{size}")
+        return pre
+
+    # -- applying it --
+
+    def resize_crop(self, image: Image.Image) -> torch.Tensor:
+        """Resize and center-crop a decoded image: uint8 [C, H, W], contiguous."""
+        if self.convention == "timm":
+            if self.resize is not None:
+                h, w = _resized_size(image.height, image.width, self.resize)
+                if (h, w) != (image.height, image.width):
+                    image = image.resize((w, h), _PIL_FILTERS[self.resample])
+            pixels = _to_uint8_chw(image)
+        else:
+            pixels = _to_uint8_chw(image)
+            if self.resize is not None:
+                pixels = _resize_like_torchvision(pixels, _resized_size(*pixels.shape[-2:], self.resize),
+                                                  self.resample)
+        if self.crop is not None:
+            # timm (torchvision.transforms.CenterCrop) rounds the offset; transformers truncates it.
+            pixels = _center_crop(pixels, self.crop, round if self.convention == "timm" else int)
+        return pixels.clone(memory_format=torch.contiguous_format)
+
+    def normalize(self, pixels: torch.Tensor) -> torch.Tensor:
+        """uint8 [..., C, H, W] on any device -> float32, in the checkpoint library's order of operations."""
+        x = pixels.to(torch.float32)
+        if self.convention == "timm":
+            x = x.div_(255)
+            if self.mean is None:
+                return x
+        elif self.mean is None:
+            return x.mul_(self.rescale) if self.rescale is not None else x
+        mean, std = _stats(self.convention, self.mean, self.std, self.rescale, pixels.device)
+        return x.sub_(mean).div_(std)
+
+    def __call__(self, image: Image.Image) -> torch.Tensor:
+        """float32 pixels [C, H, W] of a decoded image."""
+        return self.normalize(self.resize_crop(image))
+
+
+def _hf_size(size, name: str, shortest_edge_ok: bool = False) -> tuple[int, int] | int:
+    """A transformers size (int, [h, w] or dict) as (height, width), or an int shorter side."""
+    if isinstance(size, int):  # ViT and DeiT processors read a bare int as a square
+        return (size, size)
+    if isinstance(size, (list, tuple)) and len(size) == 2:
+        return (int(size[0]), int(size[1]))
+    if isinstance(size, dict):
+        if size.keys() == {"height", "width"}:
+            return (size["height"], size["width"])
+        if shortest_edge_ok and size.keys() == {"shortest_edge"}:
+            return size["shortest_edge"]
+    raise ValueError(f"unsupported image processor {name} {size!r}; supported: an int, "
+                     f"{{'height', 'width'}}" + (", {'shortest_edge'}" if shortest_edge_ok else ""))
+
+
+def _resized_size(height: int, width: int, size: tuple[int, int] | int) -> tuple[int, int]:
+    if isinstance(size, tuple):
+        return size
+    # The shorter side becomes `size`, the longer one is truncated (torchvision, transformers alike).
+    if width <= height:
+        return int(size * height / width), size
+    return size, int(size * width / height)
+
+
+def _to_uint8_chw(image: Image.Image) -> torch.Tensor:
+    pixels = torch.from_numpy(np.array(image))
+    return pixels.unsqueeze(0) if pixels.dim() == 2 else pixels.permute(2, 0, 1)
+
+
+def _resize_like_torchvision(pixels: torch.Tensor, size: tuple[int, int], mode: str) -> torch.Tensor:
+    """torchvision.transforms.v2.functional.resize of a uint8 CPU image, antialiased."""
+    if tuple(pixels.shape[-2:]) == size:
+        return pixels
+    x = pixels.contiguous()[None]
+    if mode == "nearest":  # transformers maps PIL's NEAREST to torchvision's NEAREST_EXACT
+        return F.interpolate(x, size=size, mode="nearest-exact")[0]
+    # torchvision resizes uint8 natively for bicubic, and for bilinear only where its kernel is vectorised.
+    native = mode == "bicubic" or (torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+                                   or platform.machine() in ("aarch64", "arm64"))
+    if native:
+        return F.interpolate(x, size=size, mode=mode, align_corners=False, antialias=True)[0]
+    y = F.interpolate(x.to(torch.float32), size=size, mode=mode, align_corners=False, antialias=True)
+    if mode == "bicubic":
+        y = y.clamp_(0, 255)
+    return y.round_().to(torch.uint8)[0]
+
+
+def _center_crop(pixels: torch.Tensor, size: tuple[int, int], to_int) -> torch.Tensor:
+    crop_h, crop_w = size
+    h, w = pixels.shape[-2:]
+    if crop_h > h or crop_w > w:
+        pad_w, pad_h = max(crop_w - w, 0), max(crop_h - h, 0)
+        pixels = F.pad(pixels, (pad_w // 2, (pad_w + 1) // 2, pad_h // 2, (pad_h + 1) // 2))
+        h, w = pixels.shape[-2:]
+    top, left = int(to_int((h - crop_h) / 2.0)), int(to_int((w - crop_w) / 2.0))
+    return pixels[..., top:top + crop_h, left:left + crop_w]
+
+
+@lru_cache(maxsize=16)
+def _stats(convention: str, mean: tuple[float, ...], std: tuple[float, ...], rescale: float | None,
+           device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """mean and std as float32 [C, 1, 1]; transformers folds the rescale into them (x - m/r) / (s/r)."""
+    m, s = torch.tensor(mean), torch.tensor(std)
+    if convention == "transformers" and rescale is not None:
+        m, s = m * (1.0 / rescale), s * (1.0 / rescale)
+    return m.view(-1, 1, 1).to(device), s.view(-1, 1, 1).to(device)

@@ -1,0 +1,153 @@
+"""Finding a checkpoint's files (a local directory or file, or a HuggingFace hub id through
+huggingface_hub and its cache) and reading its weights: safetensors or a pickled state dict,
+sharded (an *.index.json naming the shards) or not. Nothing here knows what the keys mean.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# In the order they are looked for: safetensors first (no pickle, memory-mapped).
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pth", ".pt")
+
+
+class CheckpointNotFound(FileNotFoundError):
+    """No checkpoint at that path or hub id (the message says where it was looked for)."""
+
+
+@dataclass(frozen=True)
+class CheckpointFiles:
+    source: str                      # what the user named
+    config: Path                     # config.json
+    weights: tuple[Path, ...]        # one file, or the shards of an index
+    preprocessor: Path | None        # preprocessor_config.json (transformers), if there is one
+
+
+def find_checkpoint(name_or_path: str | os.PathLike) -> CheckpointFiles:
+    """A local directory (config.json + weights), a local weights file (config.json beside it),
+    or a hub id ("google/vit-base-patch16-224", "timm/vit_base_patch16_224.augreg_in1k", optionally
+    prefixed "hf-hub:"), downloaded into the HuggingFace cache or read from it."""
+    source = str(name_or_path)
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return _local(source, path, _first_present(path, source))
+    if path.is_file():
+        if not path.name.endswith(WEIGHT_SUFFIXES + (".index.json",)):
+            raise CheckpointNotFound(f"{source} is a file but not a weights file (expected one ending in "
+                                     f"{', '.join(WEIGHT_SUFFIXES)} or .index.json)")
+        return _local(source, path.parent, path)
+    if source.startswith((".", "/", "~")) or source.count("/") > 1:
+        raise CheckpointNotFound(f"no such file or directory: {source}")
+    return _hub(source.removeprefix("hf-hub:"))
+
+
+def _first_present(directory: Path, source: str) -> Path:
+    for name in WEIGHT_FILES:
+        if (directory / name).is_file():
+            return directory / name
+    raise CheckpointNotFound(f"{source}: no weights in the directory; expected one of {', '.join(WEIGHT_FILES)}")
+
+
+def _local(source: str, directory: Path, weights: Path) -> CheckpointFiles:
+    config = directory / "config.json"
+    if not config.is_file():
+        raise CheckpointNotFound(f"{source}: no config.json in {directory}")
+    shards = tuple(directory / name for name in _shard_names(weights)) if weights.name.endswith(".index.json") \
+        else (weights,)
+    missing = [str(s) for s in shards if not s.is_file()]
+    if missing:
+        raise CheckpointNotFound(f"{source}: shards named in {weights.name} are missing: {', '.join(missing)}")
+    preprocessor = directory / "preprocessor_config.json"
+    return CheckpointFiles(source, config, shards, preprocessor if preprocessor.is_file() else None)
+
+
+def _shard_names(index: Path) -> list[str]:
+    weight_map = json.loads(index.read_text())["weight_map"]
+    return sorted(set(weight_map.values()))
+
+
+def _hub(repo_id: str) -> CheckpointFiles:
+    try:
+        from huggingface_hub import hf_hub_download
+        from huggingface_hub.errors import EntryNotFoundError, HFValidationError, LocalEntryNotFoundError, \
+            RepositoryNotFoundError
+    except ImportError:
+        raise CheckpointNotFound(f"{repo_id} is not a local directory or file, and reading hub ids needs "
+                                 f"huggingface_hub (pip install huggingface_hub)") from None
+
+    def download(filename: str) -> Path | None:
+        """The cached file, or None if the repository has no such file."""
+        try:
+            return Path(hf_hub_download(repo_id, filename))
+        except RepositoryNotFoundError:
+            raise CheckpointNotFound(f"{repo_id}: not a local directory or file, and no such model on the "
+                                     f"HuggingFace hub (or it is private or gated: log in with `hf auth login`)"
+                                     ) from None
+        except HFValidationError:
+            raise CheckpointNotFound(f"{repo_id}: not a local directory or file, and not a valid hub id") from None
+        except LocalEntryNotFoundError:
+            # Offline (HF_HUB_OFFLINE=1 or no network) and not in the cache: the file may or may not exist.
+            if filename == "config.json":
+                raise CheckpointNotFound(
+                    f"{repo_id}: not a local directory or file, not in the HuggingFace cache "
+                    f"({_cache_dir()}), and the hub cannot be reached") from None
+            return None
+        except EntryNotFoundError:
+            return None
+
+    config = download("config.json")
+    if config is None:
+        raise CheckpointNotFound(f"{repo_id}: the repository has no config.json")
+    for name in WEIGHT_FILES:
+        weights = download(name)
+        if weights is not None:
+            break
+    else:
+        raise CheckpointNotFound(f"{repo_id}: the repository (or the cache, offline) has none of "
+                                 f"{', '.join(WEIGHT_FILES)}")
+    if weights.name.endswith(".index.json"):
+        shards = tuple(download(name) for name in _shard_names(weights))
+        if None in shards:
+            raise CheckpointNotFound(f"{repo_id}: shards named in {weights.name} could not be downloaded")
+    else:
+        shards = (weights,)
+    return CheckpointFiles(repo_id, config, shards, download("preprocessor_config.json"))
+
+
+def _cache_dir() -> str:
+    from huggingface_hub import constants
+
+    return constants.HF_HUB_CACHE
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {path}: {e}") from None
+
+
+def read_weights(files: tuple[Path, ...]) -> dict[str, torch.Tensor]:
+    """All tensors of the weight file(s), on the CPU, in the checkpoint's dtype."""
+    state_dict: dict[str, torch.Tensor] = {}
+    for path in files:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            part = load_file(path, device="cpu")
+        else:
+            part = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            for wrapper in ("state_dict", "model"):  # training checkpoints nest the weights
+                if isinstance(part, dict) and isinstance(part.get(wrapper), dict):
+                    part = part[wrapper]
+        if not isinstance(part, dict):
+            raise ValueError(f"{path} does not hold a state dict (found {type(part).__name__})")
+        state_dict.update(part)
+    return state_dict

@@ -1,0 +1,181 @@
+"""Checkpoints on disk or on the HuggingFace hub -> a ViT, its labels and its preprocessing.
+
+The config and the weights are read directly (loaders/files.py); transformers and timm are neither
+needed nor imported, and no reference model is built. A transformers checkpoint (config.json with a
+"model_type") maps through loaders/hf.py; a timm one (config.json with an "architecture") through
+loaders/timm.py, its ViTConfig read from the tensors' shapes, as timm's config.json records only the
+arguments that differ from the architecture's defaults.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+
+from ..model import ViT, ViTConfig
+from ._common import build
+from .files import CheckpointNotFound, find_checkpoint, read_json, read_weights
+from .hf import HF_ARCHITECTURES, hf_config_to_vit, hf_num_classes, hf_state_dict_to_vit
+from .timm import timm_state_dict_to_vit
+
+__all__ = ["CheckpointInfo", "CheckpointNotFound", "SUPPORTED", "from_pretrained", "read_checkpoint"]
+
+TIMM_ARCHITECTURES = "timm VisionTransformer and VisionTransformerDistilled (vit_*, deit_*)"
+SUPPORTED = f"transformers {', '.join(HF_ARCHITECTURES)}; {TIMM_ARCHITECTURES}"
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What a checkpoint says besides its weights; from_pretrained sets it as `model.checkpoint`."""
+
+    source: str                 # the directory, file or hub id it was read from
+    library: str                # "transformers" or "timm"
+    architecture: str           # e.g. "ViTForImageClassification", "vit_base_patch16_224"
+    id2label: dict[int, str]    # class index -> name; empty without a classifier
+    preprocessing: dict         # preprocessor_config.json (transformers) or pretrained_cfg (timm); {} if none
+
+
+def read_checkpoint(name_or_path: str | os.PathLike) -> tuple[ViTConfig, dict[str, torch.Tensor], CheckpointInfo]:
+    """(config, state dict in our names, info) of a checkpoint; see from_pretrained for what is accepted.
+
+    Raises CheckpointNotFound when there is nothing at name_or_path, ValueError for an unsupported
+    architecture (naming the supported ones) or weights that do not fit (listing every key that is
+    missing, unexpected or mis-shaped).
+    """
+    files = find_checkpoint(name_or_path)
+    config = read_json(files.config)
+    state_dict = read_weights(files.weights)
+    if "architecture" in config:
+        return _timm(files.source, config, state_dict)
+    preprocessing = read_json(files.preprocessor) if files.preprocessor else {}
+    return _hf(files.source, config, state_dict, preprocessing)
+
+
+def from_pretrained(name_or_path: str | os.PathLike, *, device: torch.device | str | None = None,
+                    dtype: torch.dtype = torch.bfloat16) -> ViT:
+    """A ViT holding a checkpoint's weights, in eval mode, with `model.checkpoint` (CheckpointInfo:
+    labels and preprocessing; vit_triton.data.Preprocess.for_model(model) applies the latter).
+
+    name_or_path: a HuggingFace hub id ("google/vit-base-patch16-224", "facebook/deit-base-distilled-
+    patch16-224", "timm/vit_base_patch16_224.augreg2_in21k_ft_in1k"), fetched through huggingface_hub
+    and its cache; or a local directory in the same layout (config.json, model.safetensors or
+    pytorch_model.bin, sharded with an index or not, preprocessor_config.json for transformers); or a
+    local weights file with the config.json beside it. device: default CUDA if there is one, else CPU
+    (which needs TRITON_INTERPRET=1 to run).
+    """
+    cfg, state_dict, info = read_checkpoint(name_or_path)
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = build(cfg, state_dict, torch.empty(0, device=device, dtype=dtype))
+    model.checkpoint = info
+    return model
+
+
+def _unsupported(what: str) -> ValueError:
+    return ValueError(f"unsupported architecture {what}; supported: {SUPPORTED}")
+
+
+def _hf(source: str, config: dict, state_dict: dict, preprocessing: dict):
+    architectures = config.get("architectures") or [{"vit": "ViTModel", "deit": "DeiTModel"}.get(
+        config.get("model_type"), f"model_type {config.get('model_type')!r}")]
+    architecture = architectures[0]
+    if architecture not in HF_ARCHITECTURES or config.get("model_type") not in ("vit", "deit"):
+        raise _unsupported(f"{architecture} (transformers, model_type {config.get('model_type')!r})")
+    id2label = {int(k): v for k, v in (config.get("id2label") or {}).items()}
+    num_classes = 0
+    if architecture.endswith(("Classification", "WithTeacher")):
+        # A classifier's missing head must be reported missing, not turn the model into a bare one.
+        num_classes = hf_num_classes(state_dict) or len(id2label) or config.get("num_labels", 2)
+    cfg = hf_config_to_vit(config, num_classes, head_dist=architecture.endswith("WithTeacher"))
+    ours = hf_state_dict_to_vit(state_dict, cfg)
+    labels = {i: id2label.get(i, f"LABEL_{i}") for i in range(num_classes)}
+    return cfg, ours, CheckpointInfo(source, "transformers", architecture, labels, preprocessing)
+
+
+# timm's defaults that the weights do not show: heads per width (64-wide heads but for these).
+_TIMM_HEADS = {1152: 16, 1280: 16, 1408: 16, 1664: 16}
+_TIMM_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_tanh", "quick_gelu": "quick_gelu"}
+_TIMM_UNSUPPORTED = {
+    r"blocks\.\d+\.ls1\.(gamma|weight)": "layer scale (init_values)",
+    r"blocks\.\d+\.attn\.[qk]_norm\..*": "qk_norm",
+    r"blocks\.\d+\.(attn|mlp)\.norm\..*": "attention or MLP scale norms",
+    r"attn_pool\..*": "attention pooling (global_pool 'map')",
+    r"patch_embed\.norm\..*": "a norm layer in the patch embedding",
+    r"patch_embed\.backbone\..*": "a hybrid CNN stem",
+}
+
+
+def _timm(source: str, config: dict, state_dict: dict):
+    architecture = config["architecture"]
+    if not re.match(r"(vit|deit)_", architecture) or "patch_embed.proj.weight" not in state_dict:
+        raise _unsupported(f"{architecture} (timm)")
+    found = {what for pattern, what in _TIMM_UNSUPPORTED.items() for k in state_dict if re.fullmatch(pattern, k)}
+    if found:
+        raise ValueError(f"unsupported timm VisionTransformer feature in {architecture}: {'; '.join(sorted(found))}")
+    cfg = _timm_config(architecture, config, state_dict)
+    ours = timm_state_dict_to_vit(state_dict, cfg)
+    return cfg, ours, CheckpointInfo(source, "timm", architecture, _timm_labels(config, cfg.num_classes),
+                                     config.get("pretrained_cfg") or {})
+
+
+def _timm_config(architecture: str, config: dict, sd: dict) -> ViTConfig:
+    """ViTConfig of a timm ViT checkpoint from its tensors' shapes, model_args and the architecture name."""
+    args = config.get("model_args") or {}
+    embed_dim, in_chans, patch, _ = sd["patch_embed.proj.weight"].shape
+    depth = 1 + max((int(m.group(1)) for k in sd if (m := re.match(r"blocks\.(\d+)\.", k))), default=-1)
+    class_token, dist_token = "cls_token" in sd, "dist_token" in sd
+    reg_tokens = sd["reg_token"].shape[1] if "reg_token" in sd else 0
+    prefix = int(class_token) + int(dist_token) + reg_tokens
+    pos = sd["pos_embed"].shape[1] if "pos_embed" in sd else 0
+    size = args.get("img_size") or (config.get("pretrained_cfg") or {}).get("input_size", [None])[-1]
+    size = size[-1] if isinstance(size, (list, tuple)) else size
+    if size:
+        pos_embed_prefix = pos != (size // patch) ** 2 or not prefix
+    else:  # the grid is square: of pos and pos - prefix, the square one is the patch count
+        pos_embed_prefix = args.get("no_embed_class") is not True and round((pos - prefix) ** 0.5) ** 2 == pos - prefix
+        size = round((pos - prefix * pos_embed_prefix) ** 0.5) * patch
+    act = args.get("act_layer") or ("quick_gelu" if "quickgelu" in architecture else "gelu")
+    if act not in _TIMM_ACTIVATIONS:
+        raise ValueError(f"unsupported timm act_layer {act!r}; supported: {', '.join(_TIMM_ACTIVATIONS)}")
+    pool = config.get("global_pool", args.get("global_pool", "token" if class_token else "avg"))
+    if pool not in ("token", "avg"):
+        raise ValueError(f"unsupported timm global_pool {pool!r} in {architecture}; supported: token, avg")
+    num_classes = sd["head.weight"].shape[0] if "head.weight" in sd else 0
+    return ViTConfig(
+        image_size=size, patch_size=patch, in_chans=in_chans, embed_dim=embed_dim, depth=depth,
+        num_heads=args.get("num_heads") or _TIMM_HEADS.get(embed_dim, max(embed_dim // 64, 1)),
+        mlp_dim=sd["blocks.0.mlp.fc1.weight"].shape[0] if depth else 4 * embed_dim,
+        qkv_bias="blocks.0.attn.qkv.bias" in sd,
+        norm_eps=1e-5 if "_clip_" in architecture else 1e-6,  # CLIP towers use nn.LayerNorm's default
+        act=_TIMM_ACTIVATIONS[act], class_token=class_token, dist_token=dist_token, reg_tokens=reg_tokens,
+        pos_embed_prefix=pos_embed_prefix, patch_bias="patch_embed.proj.bias" in sd,
+        pre_norm="norm_pre.weight" in sd, final_norm="norm.weight" in sd or "fc_norm.weight" in sd,
+        fc_norm="fc_norm.weight" in sd, pool=pool, num_classes=num_classes, head_dist="head_dist.weight" in sd,
+    )
+
+
+def _timm_labels(config: dict, num_classes: int) -> dict[int, str]:
+    """Names from config.json's label_names (and label_descriptions), else ImageNet's if timm is installed."""
+    if not num_classes:
+        return {}
+    names = config.get("label_names")
+    if isinstance(names, dict):
+        names = {int(k): v for k, v in names.items()}
+    elif names:
+        names = dict(enumerate(names))
+    else:
+        names = _imagenet_names(num_classes)
+    descriptions = config.get("label_descriptions") or {}
+    return {i: descriptions.get(names.get(i), names.get(i, f"LABEL_{i}")) for i in range(num_classes)}
+
+
+def _imagenet_names(num_classes: int) -> dict[int, str]:
+    try:
+        from timm.data import ImageNetInfo, infer_imagenet_subset
+    except ImportError:
+        return {}
+    subset = infer_imagenet_subset({"num_classes": num_classes})
+    return dict(enumerate(ImageNetInfo(subset).label_descriptions())) if subset else {}

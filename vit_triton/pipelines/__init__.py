@@ -1,0 +1,10 @@
+"""The commands' work, callable from Python: classify a few images, embed a folder of a million.
+
+These sit below data/ in the layers (they use decoding, preprocessing and the loaders), above cli.py.
+"""
+
+from .classify import classify
+from .embed import EmbedOptions, embed
+from .store import Summary, UsageError
+
+__all__ = ["EmbedOptions", "Summary", "UsageError", "classify", "embed"]

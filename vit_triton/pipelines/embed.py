@@ -1,0 +1,275 @@
+"""`vit-triton embed`: one embedding per image for a folder, list or glob of any size.
+
+Per process: DataLoader workers decode, resize and crop (uint8) while the GPU runs the previous
+batches; pinned batches are copied without blocking, normalized on the device, and each batch's
+results come back through pinned memory one batch later, so that copying and writing overlap the
+next forward. Batches never straddle a chunk (store.py), so a batch holds the same images however
+the work is split, and a resumed or a torchrun run writes what one uninterrupted process would.
+
+Under torchrun (WORLD_SIZE > 1) rank 0 lists the inputs and chooses the chunks still to do; rank r
+takes every world-th of them; rank 0 merges when all are done. The process group (gloo) carries
+only these small messages, never tensors.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Sampler
+
+from ..data import Preprocess
+from ..data.files import Batch, ImageFiles, list_inputs, worker_init
+from ..loaders import from_pretrained
+from .store import ChunkStore, Summary, UsageError
+
+OUTPUT_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EmbedOptions:
+    model: str
+    input: str
+    output: str
+    batch_size: int | None = None        # default: 256 on a GPU, 4 in the interpreter
+    num_workers: int | None = None       # default: this process's share of the CPUs, less one
+    chunk_size: int | None = None        # default: 4096 images, 512 with tokens
+    normalize: bool = False
+    tokens: bool = False
+    dtype: torch.dtype | None = None     # default: bfloat16 on a GPU, float32 in the interpreter
+    output_dtype: str = "float32"
+    device: str | None = None
+    overwrite: bool = False
+    progress: bool | None = None         # default: when stderr is a terminal
+
+
+class ChunkBatches(Sampler[list[int]]):
+    """Batches of input indices, chunk after chunk, none spanning two chunks."""
+
+    def __init__(self, ranges: list[range], batch_size: int) -> None:
+        self.ranges, self.batch_size = ranges, batch_size
+
+    def __iter__(self):
+        for r in self.ranges:
+            for start in range(r.start, r.stop, self.batch_size):
+                yield list(range(start, min(start + self.batch_size, r.stop)))
+
+    def __len__(self) -> int:
+        return sum(-(-len(r) // self.batch_size) for r in self.ranges)
+
+
+class ChunkWriter:
+    """Collects the rows of the chunks in flight and writes each one when its last input is in."""
+
+    def __init__(self, store: ChunkStore, ranges: dict[int, range]) -> None:
+        self.store, self.ranges = store, ranges
+        self.parts: dict[int, dict] = {}
+
+    def add(self, chunk: int, indices: list[int], arrays: list[np.ndarray], skipped: list[tuple[int, str]]) -> None:
+        part = self.parts.setdefault(chunk, {"indices": [], "arrays": [], "skipped": []})
+        part["indices"] += indices
+        part["arrays"].append(arrays)
+        part["skipped"] += skipped
+        if len(part["indices"]) + len(part["skipped"]) == len(self.ranges[chunk]):
+            del self.parts[chunk]
+            embedding, *tokens = (np.concatenate(a) for a in zip(*part["arrays"]))
+            self.store.write_chunk(chunk, np.asarray(part["indices"], dtype=np.int64), embedding,
+                                   tokens[0] if tokens else None, part["skipped"])
+
+
+class _InFlight:
+    """One batch whose results are on their way to pinned host memory."""
+
+    def __init__(self, batch: Batch, host: list[torch.Tensor], event) -> None:
+        self.batch, self.host, self.event = batch, host, event
+
+    def wait(self) -> list[np.ndarray]:
+        if self.event is not None:
+            self.event.synchronize()
+        return [h.numpy().copy() for h in self.host]  # out of pinned memory, which stays for reuse
+
+
+def _launch(model, pre: Preprocess, batch: Batch, device: torch.device, opts: EmbedOptions,
+            empty: list[torch.Tensor]) -> _InFlight:
+    if not batch.indices:
+        return _InFlight(batch, empty, None)
+    pixels = pre.normalize(batch.pixels.to(device, non_blocking=True))
+    features = model.forward_features(pixels)
+    pooled = model.forward_head(features, pre_logits=True).float()
+    if opts.normalize:
+        pooled = F.normalize(pooled, dim=-1)
+    out_dtype = OUTPUT_DTYPES[opts.output_dtype]
+    outputs = [pooled.to(out_dtype)] + ([features.to(out_dtype)] if opts.tokens else [])
+    cuda = device.type == "cuda"
+    host = [torch.empty(o.shape, dtype=o.dtype, pin_memory=cuda).copy_(o, non_blocking=cuda) for o in outputs]
+    event = None
+    if cuda:
+        event = torch.cuda.Event()
+        event.record()
+    return _InFlight(batch, host, event)
+
+
+def _distributed() -> tuple[int, int, int]:
+    """(rank, world size, local rank); joins the process group under torchrun."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1, 0
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        # Only control messages: gloo on any device, and patience for ranks that finish early.
+        dist.init_process_group("gloo", timeout=timedelta(hours=12))
+    return dist.get_rank(), world, int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def _broadcast(obj, world: int):
+    if world == 1:
+        return obj
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _sum(value: int, world: int) -> int:
+    if world == 1:
+        return value
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t)
+    return int(t.item())
+
+
+def embed(opts: EmbedOptions, log=lambda msg: print(msg, file=sys.stderr, flush=True)) -> Summary | None:
+    """Run (or resume, or recognise as done) one embed command; the Summary on rank 0, None elsewhere.
+
+    Raises UsageError for bad options or an output from other settings, CheckpointNotFound for a
+    model that is not there, ValueError for a checkpoint that cannot be used.
+    """
+    rank, world, local_rank = _distributed()
+    try:
+        return _embed(opts, rank, world, local_rank, log if rank == 0 else lambda msg: None)
+    finally:
+        if world > 1:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _embed(opts: EmbedOptions, rank: int, world: int, local_rank: int, log) -> Summary | None:
+    if opts.device:
+        device = torch.device(opts.device)
+    else:
+        device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    on_gpu = device.type == "cuda"
+    dtype = opts.dtype or (torch.bfloat16 if on_gpu else torch.float32)
+    chunk_size = opts.chunk_size if opts.chunk_size is not None else 512 if opts.tokens else 4096
+    batch_size = opts.batch_size if opts.batch_size is not None else 256 if on_gpu else 4
+    for name, value, least in (("--batch-size", batch_size, 1), ("--chunk-size", chunk_size, 1),
+                               ("--num-workers", opts.num_workers or 0, 0)):
+        if value < least:
+            raise UsageError(f"{name} must be at least {least}, got {value}")
+    settings = {"model": opts.model, "input": opts.input, "chunk_size": chunk_size, "normalize": opts.normalize,
+                "tokens": opts.tokens, "dtype": str(dtype).removeprefix("torch."), "output_dtype": opts.output_dtype}
+    store = ChunkStore(opts.output, settings)
+
+    model = from_pretrained(opts.model, device=device, dtype=dtype)
+    pre = Preprocess.for_model(model)
+
+    # Rank 0 decides; everyone gets its decision (or its error, to exit the same way).
+    plan = inputs = None
+    if rank == 0:
+        try:
+            inputs, state = store.prepare(lambda: _list(opts.input), overwrite=opts.overwrite)
+            plan = ("ok", state, None if inputs is None else store.pending(len(inputs)))
+        except (UsageError, OSError) as e:
+            plan = ("error", type(e).__name__, str(e))
+    plan = _broadcast(plan, world)
+    if plan[0] == "error":
+        raise UsageError(plan[2]) if plan[1] == "UsageError" else OSError(plan[2])
+    _, state, pending = plan
+    if state == "complete":
+        log(f"vit-triton embed: {opts.output} is already complete; nothing to do")
+        return store.finished_summary() if rank == 0 else None
+    if inputs is None:
+        inputs = store.read_inputs()
+    if state == "resumed":
+        total = store.num_chunks(len(inputs))
+        log(f"vit-triton embed: resuming {opts.output}: {total - len(pending)} of {total} chunks already done")
+
+    mine = {k: store.chunk_range(k, len(inputs)) for k in pending[rank::world]}
+    start = time.perf_counter()
+    processed = _run(model, pre, inputs, mine, store, opts, device, batch_size, rank, world, local_rank)
+    processed = _sum(processed, world)
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+    if rank != 0:
+        return None
+    summary = store.finalize(inputs)
+    return Summary(summary.output, summary.done, summary.skipped, summary.skipped_file, processed,
+                   time.perf_counter() - start)
+
+
+def _list(spec: str) -> list[str]:
+    try:
+        return list_inputs(spec)
+    except FileNotFoundError as e:
+        raise UsageError(str(e)) from None
+
+
+def _run(model, pre: Preprocess, inputs: list[str], chunks: dict[int, range], store: ChunkStore,
+         opts: EmbedOptions, device: torch.device, batch_size: int, rank: int, world: int, local_rank: int) -> int:
+    """Embed this rank's chunks; returns how many inputs it handled."""
+    from tqdm import tqdm
+
+    dataset = ImageFiles(inputs, pre)
+    workers = opts.num_workers
+    if workers is None:
+        # Decoding is the bottleneck (about 100-200 JPEGs/s per core): every core but the main process's.
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        workers = max(1, (os.cpu_count() or 1) // local_world - 1)
+    loader = DataLoader(dataset, batch_sampler=ChunkBatches(list(chunks.values()), batch_size),
+                        num_workers=workers, collate_fn=dataset.collate, pin_memory=device.type == "cuda",
+                        worker_init_fn=worker_init if workers else None, persistent_workers=False)
+    writer = ChunkWriter(store, chunks)
+    out_dtype = OUTPUT_DTYPES[opts.output_dtype]
+    cfg = model.config
+    empty = [torch.empty(0, cfg.embed_dim, dtype=out_dtype)]
+    if opts.tokens:
+        empty.append(torch.empty(0, cfg.num_tokens, cfg.embed_dim, dtype=out_dtype))
+    total = sum(len(r) for r in chunks.values())
+    show = opts.progress if opts.progress is not None else sys.stderr.isatty()
+    desc = "embed" if world == 1 else f"embed (rank 0 of {world})"
+    bar = tqdm(total=total, unit="img", desc=desc, disable=not show or rank != 0, dynamic_ncols=True)
+
+    def finish(flight: _InFlight) -> None:
+        b = flight.batch
+        chunk = (b.indices or [i for i, _ in b.skipped])[0] // store.chunk_size
+        writer.add(chunk, b.indices, flight.wait(), b.skipped)
+        bar.update(len(b.indices) + len(b.skipped))
+
+    in_flight = None
+    with torch.inference_mode():
+        for batch in loader:
+            launched = _launch(model, pre, batch, device, opts, empty)
+            if in_flight is not None:
+                finish(in_flight)  # the previous batch, while the GPU runs this one
+            in_flight = launched
+        if in_flight is not None:
+            finish(in_flight)
+    bar.close()
+    assert not writer.parts, f"chunks left unfinished: {sorted(writer.parts)}"
+    return total
