@@ -22,7 +22,7 @@ from vit_triton.kernels.patch_embed import _patch_embed_kernel  # noqa: E402
 from vit_triton.kernels.token_mean import _token_mean_kernel  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
-FLOAT_ARGS = {"eps", "qk_scale"}
+FLOAT_ARGS = {"eps", "qk_scale", "scale"}
 
 
 def compile_kernel(kernel, dtype: str, options: dict, constexprs: dict) -> str:
@@ -54,7 +54,7 @@ def cases():
     for dtype in ("fp32", "bf16", "fp16"):
         for bias, act, res in epilogues if dtype == "bf16" else [(True, "gelu", True)]:
             yield ("linear", _linear_kernel, dtype, {}, dict(
-                HAS_BIAS=bias, ACT=act, HAS_RESIDUAL=res, INPUT_PRECISION="ieee"))
+                HAS_BIAS=bias, ACT=act, HAS_RESIDUAL=res, HAS_SCALE=not bias, INPUT_PRECISION="ieee"))
         yield ("fused_attention", _attention_kernel, dtype, {}, dict(HEAD_DIM=80, BLOCK_D=128, INPUT_PRECISION="ieee"))
         yield ("patch_embed", _patch_embed_kernel, dtype, {}, dict(
             PATCH=16, HAS_BIAS=True, HAS_PREFIX=True, HAS_POS=True, POS_HAS_PREFIX=dtype != "fp16",
@@ -62,7 +62,7 @@ def cases():
         yield ("layer_norm", _layer_norm_kernel, dtype, {"num_warps": 8}, dict(BLOCK_M=4, BLOCK_D=1024))
         yield ("token_mean", _token_mean_kernel, dtype, {"num_warps": 4}, dict(BLOCK_T=16, BLOCK_D=256))
     yield ("linear", _linear_kernel, "tf32", {}, dict(HAS_BIAS=True, ACT="gelu", HAS_RESIDUAL=False,
-                                                       INPUT_PRECISION="tf32"))
+                                                       HAS_SCALE=False, INPUT_PRECISION="tf32"))
     yield ("fused_attention", _attention_kernel, "tf32", {}, dict(HEAD_DIM=64, BLOCK_D=64, INPUT_PRECISION="tf32"))
 
 

@@ -46,6 +46,13 @@ def test_odd_shapes(dtype, m, n, k):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_output_scale_applies_after_the_residual(dtype):
+    torch.manual_seed(11)
+    assert_matches_torch(lambda x, w, b, r: linear(x, w, b, activation="gelu", residual=r, scale=0.5),
+                         lambda x, w, b, r: 0.5 * torch_linear("gelu")(x, w, b, r), *inputs(29, 40, 33, dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_strided_rows_are_read_in_place(dtype):
     # The class tokens of a [B, T, D] tensor: a [B, D] view with row stride T*D; the residual too.
     tokens = torch.randn(3, 37, 48, device=DEVICE).to(dtype)

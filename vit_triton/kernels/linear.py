@@ -1,11 +1,11 @@
-"""Linear layer with a fused epilogue: y = act(x @ W^T + b) [+ residual].
+"""Linear layer with a fused epilogue: y = scale * (act(x @ W^T + b) [+ residual]).
 
 Layouts: x [M, K] with unit stride along K (any row stride, so a view such as tokens[:, 0] is
 read in place); W [N, K] row-major, the nn.Linear layout, read K-major as the tensor cores want
 it (no transposed copy); b [N]; residual and y [M, N] with unit stride along N.
 
 The epilogue runs on the fp32 accumulator before the single store: bias, then the activation,
-then the residual add, so no elementwise kernel follows the GEMM.
+then the residual add, then the scale, so no elementwise kernel follows the GEMM.
 
 Cost: 2*M*N*K FLOPs; at least (M*K + N*K + M*N [+ M*N residual]) elements moved (+ N bias).
 """
@@ -56,14 +56,14 @@ def _config(bm, bn, bk, warps, stages):
         ],
         _config(32, 32, 32, 4, 1),
     ),
-    key=["M", "N", "K", "HAS_BIAS", "ACT", "HAS_RESIDUAL", "INPUT_PRECISION"],
+    key=["M", "N", "K", "HAS_BIAS", "ACT", "HAS_RESIDUAL", "HAS_SCALE", "INPUT_PRECISION"],
 )
 @triton.jit
 def _linear_kernel(
     x_ptr, w_ptr, b_ptr, r_ptr, y_ptr,
     M, N, K,
-    stride_xm, stride_wn, stride_rm, stride_ym,
-    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    stride_xm, stride_wn, stride_rm, stride_ym, scale,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_SCALE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -101,6 +101,8 @@ def _linear_kernel(
     rows = offs_m[:, None].to(tl.int64)
     if HAS_RESIDUAL:
         acc += tl.load(r_ptr + rows * stride_rm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_SCALE:
+        acc *= scale
     tl.store(y_ptr + rows * stride_ym + offs_n[None, :], cast(acc, y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -111,10 +113,11 @@ def linear(
     *,
     activation: str = "none",
     residual: torch.Tensor | None = None,
+    scale: float = 1.0,
     allow_tf32: bool | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y = activation(x @ weight.T + bias) + residual for 2-D x [M, K] and weight [N, K].
+    """y = scale * (activation(x @ weight.T + bias) + residual) for 2-D x [M, K] and weight [N, K].
 
     activation: "none", "gelu" (exact erf), "gelu_tanh" or "quick_gelu" (x * sigmoid(1.702 x)).
     allow_tf32: for float32 inputs; None follows torch.get_float32_matmul_precision().
@@ -152,8 +155,8 @@ def linear(
         x, weight, bias, residual, out,
         M, N, K,
         x.stride(0), weight.stride(0),
-        residual.stride(0) if residual is not None else 0, out.stride(0),
-        HAS_BIAS=bias is not None, ACT=activation, HAS_RESIDUAL=residual is not None,
+        residual.stride(0) if residual is not None else 0, out.stride(0), scale,
+        HAS_BIAS=bias is not None, ACT=activation, HAS_RESIDUAL=residual is not None, HAS_SCALE=scale != 1.0,
         INPUT_PRECISION=input_precision(x.dtype, allow_tf32),
     )
     return out

@@ -27,7 +27,7 @@ class LayerNorm(nn.Module):
 
 
 class Linear(nn.Module):
-    """y = activation(x @ W^T + b) [+ residual], all in one GEMM."""
+    """y = scale * (activation(x @ W^T + b) [+ residual]), all in one GEMM."""
 
     def __init__(self, d_in: int, d_out: int, bias: bool = True, activation: str = "none", **factory) -> None:
         super().__init__()
@@ -36,8 +36,8 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(d_out, **factory)) if bias else None
         nn.init.trunc_normal_(self.weight, std=0.02)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, activation=self.activation, residual=residual)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, activation=self.activation, residual=residual, scale=scale)
 
 
 class PatchEmbed(nn.Module):
@@ -133,8 +133,7 @@ class ViT(nn.Module):
             # DeiT distilled: class and distillation token each have a classifier; both are averaged.
             if pre_logits:
                 return token_mean(features[:, :2])
-            logits = self.head_dist(features[:, 1], residual=self.head(features[:, 0]))
-            return logits.mul_(0.5)  # [B, classes]: too small to be worth an epilogue scale
+            return self.head_dist(features[:, 1], residual=self.head(features[:, 0]), scale=0.5)
         if self.config.pool == "token":
             pooled = features[:, 0]
         else:
