@@ -21,24 +21,20 @@ import torch
 import triton.testing
 
 import vit_triton
-from vit_triton.bench.numerics import rel_err, tolerance
+from vit_triton.bench.numerics import randomize_, rel_err, tolerance
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BATCHES = (1, 64)
 
 
-def _perturb(module: torch.nn.Module) -> torch.nn.Module:
-    """Random weights everywhere: no LayerNorm left at 1, no bias or token at 0."""
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return module.eval()
+def _random(module: torch.nn.Module) -> torch.nn.Module:
+    return randomize_(module).eval()
 
 
 def hf_vit_base() -> tuple[str, torch.nn.Module, callable, callable]:
     from transformers import ViTConfig, ViTForImageClassification
 
-    ref = _perturb(ViTForImageClassification(ViTConfig(num_labels=1000)))  # google/vit-base-patch16-224's config
+    ref = _random(ViTForImageClassification(ViTConfig(num_labels=1000)))  # google/vit-base-patch16-224's config
     return ("google/vit-base-patch16-224", ref, vit_triton.from_hf,
             lambda m, px: (m.vit(px).last_hidden_state, m(px).logits))
 
@@ -46,7 +42,7 @@ def hf_vit_base() -> tuple[str, torch.nn.Module, callable, callable]:
 def timm_clip_large() -> tuple[str, torch.nn.Module, callable, callable]:
     import timm
 
-    ref = _perturb(timm.create_model("vit_large_patch14_clip_336", pretrained=False))
+    ref = _random(timm.create_model("vit_large_patch14_clip_336", pretrained=False))
     return ("vit_large_patch14_clip_336", ref, vit_triton.from_timm,
             lambda m, px: (f := m.forward_features(px), m.forward_head(f)))
 

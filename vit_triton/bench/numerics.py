@@ -31,3 +31,14 @@ def tolerance(dtype: torch.dtype, torch_err: float | None) -> float:
     if torch_err is None:
         raise ValueError("16-bit checks need PyTorch's own error in the same precision")
     return LOW_PRECISION_FACTOR * torch_err
+
+
+def randomize_(module: torch.nn.Module, scale: float = 0.05, seed: int | None = None) -> torch.nn.Module:
+    """Add N(0, scale^2) noise to every parameter, in place: random weights with no LayerNorm left at
+    1 and no bias or token at 0 (a default initialisation hides indexing and epilogue bugs)."""
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    with torch.no_grad():
+        for p in module.parameters():
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            p.add_((noise * scale).to(device=p.device, dtype=p.dtype))
+    return module

@@ -17,6 +17,7 @@ import torch
 
 from ..model.config import ViTConfig
 from ..runtime import CUDAGraphRunner
+from .numerics import randomize_
 
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead")
 SYSTEMS = ("vit-triton", "vit-triton+cudagraph", "hf", "timm", *(f"timm+compile:{m}" for m in COMPILE_MODES))
@@ -61,11 +62,8 @@ def timm_model(cfg: ViTConfig) -> torch.nn.Module:
 
 
 def _perturbed(module: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """Random weights everywhere (no LayerNorm left at 1, no bias at 0), in dtype, eval mode."""
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return module.to(device=device, dtype=dtype).eval()
+    """Random weights everywhere, in dtype, in eval mode."""
+    return randomize_(module).to(device=device, dtype=dtype).eval()
 
 
 def build_systems(cfg: ViTConfig, dtype: torch.dtype, device: torch.device,

@@ -15,7 +15,7 @@ import torch
 
 from ..model import ViT, ViTConfig
 from ..model.reference import reference_forward
-from .numerics import rel_err, tolerance
+from .numerics import randomize_, rel_err, tolerance
 from .workloads import forward_workloads
 
 
@@ -51,11 +51,7 @@ def kernel_checks(cfg: ViTConfig, batch: int, dtype: torch.dtype, device: torch.
 def random_model(cfg: ViTConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> ViT:
     """A ViT with random weights, LayerNorms and biases included (none left at 1 or 0)."""
     torch.manual_seed(seed)
-    model = ViT(cfg, device=device, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return model.to(dtype).eval()
+    return randomize_(ViT(cfg, device=device, dtype=torch.float32)).to(dtype).eval()
 
 
 def time_forward(model: ViT, pixels: torch.Tensor) -> float:
