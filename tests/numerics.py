@@ -12,8 +12,7 @@ from vit_triton.bench.numerics import FP32_TOL, LOW_PRECISION_FACTOR, rel_err, t
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
-__all__ = ["DEVICE", "DTYPES", "FP32_TOL", "LOW_PRECISION_FACTOR", "assert_close", "assert_matches_torch",
-           "randomize_", "rel_err"]
+__all__ = ["DEVICE", "DTYPES", "FP32_TOL", "LOW_PRECISION_FACTOR", "assert_close", "randomize_", "rel_err"]
 
 
 def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype,
@@ -22,16 +21,6 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype,
     err = rel_err(out, ref)
     tol = tolerance(dtype, None if torch_out is None else rel_err(torch_out, ref))
     assert err <= tol, f"{dtype}: relative error {err:.3e} > tolerance {tol:.3e}"
-
-
-def assert_matches_torch(ours, torch_fn, *inputs: torch.Tensor | None) -> torch.Tensor:
-    """ours(*inputs) against torch_fn on float64 copies of the inputs, with torch_fn(*inputs) (PyTorch
-    in the inputs' own precision) setting the 16-bit tolerance. Returns our output."""
-    dtype = next(t.dtype for t in inputs if t is not None and t.is_floating_point())
-    out = ours(*inputs)
-    ref = torch_fn(*(t.double() if t is not None and t.is_floating_point() else t for t in inputs))
-    assert_close(out, ref, dtype, torch_fn(*inputs))
-    return out
 
 
 # Tests perturb twice as hard as the package's default (0.05): LayerNorm weights further from 1.

@@ -1,54 +1,71 @@
 """layer_norm against F.layer_norm."""
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.numerics import DEVICE, DTYPES, assert_matches_torch
+from tests.kernels.checks import assert_written_in_place, check, each_dtype, empty, nan_filled, rand, raises_value_error
 from vit_triton.kernels import layer_norm
 
 
-def rows(m, d, dtype):
-    # A mean offset and a scale, so that a one-pass E[x^2] - E[x]^2 variance would lose digits.
-    return (torch.randn(m, d, device=DEVICE) * 3 + 5).to(dtype)
+def torch_layer_norm(eps):
+    return lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b, eps)
 
 
-def affine(d, dtype):
-    return (torch.randn(d, device=DEVICE) * 0.5 + 1).to(dtype), torch.randn(d, device=DEVICE).to(dtype)
+def inputs(m, d, dtype, row_stride=None):
+    """x [m, d] with a mean offset and a scale (x*3 + 5: a one-pass E[x^2] - E[x]^2 variance would
+    lose digits), rows row_stride apart when given; weight and bias random, not 1 and 0."""
+    x = rand(m, row_stride or d, dtype=dtype, scale=3.0, shift=5.0)[:, :d]
+    return x, rand(d, dtype=dtype, scale=0.5, shift=1.0), rand(d, dtype=dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m, d, eps", [(1, 32, 1e-6), (197, 80, 1e-12), (37, 768, 1e-6), (45, 1000, 1e-5),
-                                       (3, 1024, 1e-6)])
-def test_shapes(dtype, m, d, eps):
-    torch.manual_seed(m + d)
-    assert_matches_torch(lambda x, w, b: layer_norm(x, w, b, eps), lambda x, w, b: F.layer_norm(x, (d,), w, b, eps),
-                         rows(m, d, dtype), *affine(d, dtype))
+def normalize(x, w, b, eps):
+    check(layer_norm(x, w, b, eps), torch_layer_norm(eps), x, w, b)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_strided_rows(dtype):
-    x = rows(3 * 37, 96, dtype).view(3, 37, 96)[:, 0]          # class tokens: row stride 37 * 96
-    assert_matches_torch(lambda x, w, b: layer_norm(x, w, b, 1e-6), lambda x, w, b: F.layer_norm(x, (96,), w, b, 1e-6),
-                         x, *affine(96, dtype))
+WIDTHS = [32, 80, 768, 1000]
+EPSILONS = [1e-6, 1e-12, 1e-5]
+ROWS = [1, 3, 37, 197]
 
 
-def test_every_element_is_written():
-    x, (w, b) = rows(67, 130, torch.float32), affine(130, torch.float32)
-    out = torch.full((67, 130), float("nan"), device=DEVICE)
-    layer_norm(x, w, b, 1e-6, out=out)
-    torch.testing.assert_close(out, F.layer_norm(x, (130,), w, b, 1e-6), rtol=1e-5, atol=1e-5)
+@each_dtype
+@pytest.mark.parametrize("d, eps", list(itertools.product(WIDTHS, EPSILONS)))
+def test_shapes(dtype, d, eps):
+    m = ROWS[(WIDTHS.index(d) + EPSILONS.index(eps)) % len(ROWS)]
+    normalize(*inputs(m, d, dtype), eps)
 
 
-@pytest.mark.parametrize("call, match", [
-    (lambda x, w, b: layer_norm(x, w[:-1], b, 1e-6), r"weight must have shape \(12,\), got \(11,\)"),
-    (lambda x, w, b: layer_norm(x, w, b.half(), 1e-6), r"bias must be torch.float32, got torch.float16"),
-    (lambda x, w, b: layer_norm(x[None], w, b, 1e-6), r"x must be 2-D \[M, D\]"),
-    (lambda x, w, b: layer_norm(x.t(), w[:5], b[:5], 1e-6), r"unit stride along D"),
-    (lambda x, w, b: layer_norm(x, w, b, 1e-6, out=torch.empty(5, 11, device=DEVICE)),
-     r"out must have shape \(5, 12\)"),
+@each_dtype
+@pytest.mark.parametrize("m, d", [(3, 768), (37, 80), (197, 1000)])
+def test_strided_rows(dtype, m, d):
+    # The class tokens of a [B, T, D] tensor are rows T*D apart; here the rows lie d + 9 apart.
+    normalize(*inputs(m, d, dtype, row_stride=d + 9), 1e-6)
+
+
+@each_dtype
+def test_every_element_is_written_in_place(dtype):
+    x, w, b = inputs(67, 130, dtype)
+    buffer = nan_filled(67, 133, dtype=dtype)
+    out = buffer[:, 2:132]
+    result = layer_norm(x, w, b, 1e-6, out=out)
+    assert_written_in_place(result, out, buffer)
+    check(result, torch_layer_norm(1e-6), x, w, b)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(w=empty(11)), "weight must have shape (12,), got (11,)"),
+    (dict(b=empty(1, 12)), "bias must have shape (12,), got (1, 12)"),
+    (dict(b=empty(12, dtype=torch.float16)), "bias must be torch.float32, got torch.float16"),
+    (dict(x=empty(5, 12).int()), "x must be float32, float16 or bfloat16, got torch.int32"),
+    (dict(x=empty(1, 5, 12)), "x must be 2-D [M, D] with unit stride along D, got shape (1, 5, 12)"),
+    (dict(x=empty(12, 5).t()), "x must be 2-D [M, D] with unit stride along D, got shape (5, 12) and strides (1, 5)"),
+    (dict(out=empty(5, 11)), "out must have shape (5, 12), got (5, 11)"),
+    (dict(out=empty(5, 12, dtype=torch.bfloat16)), "out must be torch.float32, got torch.bfloat16"),
+    (dict(out=empty(12, 5).t()), "out must have unit stride along D, got strides (1, 5)"),
 ])
-def test_bad_input(call, match):
-    x, (w, b) = rows(5, 12, torch.float32), affine(12, torch.float32)
-    with pytest.raises(ValueError, match=match):
-        call(x, w, b)
+def test_bad_input(change, message):
+    args = dict(zip("xwb", inputs(5, 12, torch.float32)), out=None) | change
+    with raises_value_error(message):
+        layer_norm(args["x"], args["w"], args["b"], 1e-6, out=args["out"])

@@ -2,68 +2,108 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from tests.numerics import DEVICE, DTYPES, assert_matches_torch
-from vit_triton.bench.workloads import patch_embed_torch
+from tests.kernels.checks import assert_written_in_place, check, empty, nan_filled, rand, raises_value_error
 from vit_triton.kernels import patch_embed
 
-# (batch, channels, height, width, patch, prefix tokens, pos_embed covers: "all" | "patches" | None, bias)
+DIM = 45                                        # no multiple of any tile
+
+
+def torch_patch_embed(px, w, b, pos, pre):
+    """timm's PatchEmbed and _pos_embed: a pos_embed of the patches alone is added before the prefix
+    tokens go in front (no_embed_class), one that covers the prefix too after."""
+    x = F.conv2d(px.to(w.dtype), w, b, stride=w.shape[-1]).flatten(2).transpose(1, 2)
+    covers_prefix = pos is not None and pos.shape[0] != x.shape[1]
+    if pos is not None and not covers_prefix:
+        x = x + pos
+    if pre is not None:
+        x = torch.cat([pre.expand(x.shape[0], -1, -1), x], dim=1)
+    return x + pos if covers_prefix else x
+
+
+def inputs(batch, chans, h, w, patch, prefix, pos, bias, dtype, pixel_dtype, channels_last=False):
+    """pixels, conv weight, bias, pos_embed (over "all" tokens, the "patches" or None), prefix tokens."""
+    patches = (h // patch) * (w // patch)
+    pixels = rand(batch, h, w, chans, dtype=pixel_dtype).permute(0, 3, 1, 2) if channels_last else \
+        rand(batch, chans, h, w, dtype=pixel_dtype)
+    return (pixels, rand(DIM, chans, patch, patch, dtype=dtype, scale=(chans * patch * patch) ** -0.5),
+            rand(DIM, dtype=dtype) if bias else None,
+            None if pos is None else rand(patches + prefix * (pos == "all"), DIM, dtype=dtype),
+            rand(prefix, DIM, dtype=dtype) if prefix else None)
+
+
+def embed(*args):
+    return check(patch_embed(*args), torch_patch_embed, *args)
+
+
+# Each patch size with each prefix count (none, class token, class + 4 registers), the pos_embed kinds
+# as a Latin square over the two; grids of 2x3 to 4x5 patches, never square.
 CASES = [
-    (1, 3, 32, 48, 16, 1, "all", True),          # ViT: class token, pos over all tokens
-    (3, 3, 28, 42, 14, 5, "all", True),          # class + 4 registers
-    (2, 3, 24, 40, 8, 5, "patches", True),       # timm no_embed_class
-    (2, 1, 24, 16, 8, 0, "patches", False),      # no prefix, one channel, no bias (CLIP-style projection)
-    (1, 3, 16, 32, 8, 2, None, True),            # class + distillation token, no position embedding
+    # batch, channels, height, width, patch, prefix, pos_embed, bias
+    (1, 3, 16, 24, 8, 0, "all", True),
+    (3, 1, 32, 40, 8, 1, "patches", False),
+    (2, 3, 24, 32, 8, 5, None, True),
+    (2, 3, 42, 28, 14, 0, "patches", False),
+    (1, 3, 28, 70, 14, 1, None, True),
+    (3, 1, 56, 42, 14, 5, "all", True),
+    (3, 3, 48, 64, 16, 0, None, False),
+    (1, 3, 32, 48, 16, 1, "all", True),
+    (2, 1, 64, 48, 16, 5, "patches", True),
 ]
+# (weight dtype, pixel dtype): pixels come as float32 or already in the weight's dtype.
+PRECISIONS = [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
+              (torch.float16, torch.float32), (torch.float16, torch.float16)]
+precisions = pytest.mark.parametrize("dtype, pixel_dtype", PRECISIONS,
+                                     ids=[f"{str(w)[6:]}-pixels-{str(p)[6:]}" for w, p in PRECISIONS])
 
 
-def make(batch, chans, h, w, patch, prefix, pos, bias, dtype, pixel_dtype):
-    d = 40
-    n = (h // patch) * (w // patch)
-    k = chans * patch * patch
-
-    def rand(*shape, scale=1.0):
-        return (torch.randn(*shape, device=DEVICE) * scale).to(dtype)
-    return (torch.randn(batch, chans, h, w, device=DEVICE).to(pixel_dtype), rand(d, chans, patch, patch, scale=k ** -0.5),
-            rand(d) if bias else None, {"all": rand(prefix + n, d), "patches": rand(n, d), None: None}[pos],
-            rand(prefix, d) if prefix else None)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", CASES)
-def test_patch_embed(dtype, case):
-    torch.manual_seed(CASES.index(case))
-    out = assert_matches_torch(patch_embed, patch_embed_torch, *make(*case, dtype, dtype))
+@precisions
+@pytest.mark.parametrize("case", CASES, ids=[f"B{b}-C{c}-{h}x{w}-S{s}-P{p}-pos_{pos}-{'bias' if bias else 'nobias'}"
+                                             for b, c, h, w, s, p, pos, bias in CASES])
+def test_patch_embed(dtype, pixel_dtype, case):
+    out = embed(*inputs(*case, dtype, pixel_dtype))
     batch, _, h, w, patch, prefix = case[:6]
-    assert out.shape == (batch, prefix + (h // patch) * (w // patch), 40)
+    assert out.shape == (batch, prefix + (h // patch) * (w // patch), DIM) and out.dtype == dtype
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_float32_pixels_are_rounded_like_torch(dtype):
-    # float32 pixels into a 16-bit weight: converted on load, equal to converting first.
-    px, w, b, pos, pre = make(*CASES[0], dtype, torch.float32)
-    torch.testing.assert_close(patch_embed(px, w, b, pos, pre), patch_embed(px.to(dtype), w, b, pos, pre),
-                               rtol=0, atol=0)
+@precisions
+def test_channels_last_pixels_are_read_in_place(dtype, pixel_dtype):
+    embed(*inputs(*CASES[5], dtype, pixel_dtype, channels_last=True))
 
 
-def test_every_element_is_written():
-    px, w, b, pos, pre = make(*CASES[1], torch.float32, torch.float32)
-    out = torch.full((3, 5 + 6, 40), float("nan"), device=DEVICE)
-    patch_embed(px, w, b, pos, pre, out=out)
-    torch.testing.assert_close(out, patch_embed_torch(px, w, b, pos, pre), rtol=1e-5, atol=1e-5)
+@precisions
+def test_every_element_is_written_in_place(dtype, pixel_dtype):
+    args = inputs(*CASES[5], dtype, pixel_dtype)
+    buffer = nan_filled(3, 5 + 12 + 3, DIM, dtype=dtype)
+    out = buffer[:, 1:-2]                               # [B, T, D] with images T + 3 rows apart
+    result = patch_embed(*args, out=out)
+    assert_written_in_place(result, out, buffer)
+    check(result, torch_patch_embed, *args)
 
 
-@pytest.mark.parametrize("change, match", [
-    (dict(px=torch.randn(1, 3, 30, 48)), r"image size 30x48 must be a multiple of the patch size 16"),
-    (dict(px=torch.randn(1, 4, 32, 48)), r"pixels must be \[B, 3, H, W\], got shape \(1, 4, 32, 48\)"),
-    (dict(px=torch.randn(1, 3, 32, 48).double()), r"pixels must be float32 or torch.float32, got torch.float64"),
-    (dict(pos=torch.randn(5, 40)), r"pos_embed must have shape \(6, 40\) or \(7, 40\) for a 32x48 image, got \(5, 40\)"),
-    (dict(pre=torch.randn(1, 39)), r"prefix_tokens must have shape \(1, 40\), got \(1, 39\)"),
-    (dict(w=torch.randn(40, 3, 16, 8)), r"weight must be \[D, C, S, S\], got shape \(40, 3, 16, 8\)"),
+@pytest.mark.parametrize("change, message", [
+    (dict(px=empty(1, 3, 30, 48)), "image size 30x48 must be a multiple of the patch size 16"),
+    (dict(px=empty(1, 3, 32, 40)), "image size 32x40 must be a multiple of the patch size 16"),
+    (dict(px=empty(1, 1, 32, 48)), "pixels must be [B, 3, H, W], got shape (1, 1, 32, 48)"),
+    (dict(px=empty(3, 32, 48)), "pixels must be [B, 3, H, W], got shape (3, 32, 48)"),
+    (dict(px=empty(1, 3, 32, 48, dtype=torch.float64)), "pixels must be float32 or torch.float32, got torch.float64"),
+    (dict(w=empty(DIM, 3, 16, 16, dtype=torch.bfloat16), px=empty(1, 3, 32, 48, dtype=torch.float16)),
+     "pixels must be float32 or torch.bfloat16, got torch.float16"),
+    (dict(w=empty(DIM, 3, 16, 8)), "weight must be [D, C, S, S], got shape (45, 3, 16, 8)"),
+    (dict(w=empty(DIM, 3 * 16 * 16)), "weight must be [D, C, S, S], got shape (45, 768)"),
+    (dict(w=empty(DIM, 3, 16, 16).int()), "weight must be float32, float16 or bfloat16, got torch.int32"),
+    (dict(b=empty(DIM, dtype=torch.float16)), "bias must be torch.float32, got torch.float16"),
+    (dict(b=empty(DIM - 1)), "bias must have shape (45,), got (44,)"),
+    (dict(pos=empty(5, DIM)), "pos_embed must have shape (6, 45) or (7, 45) for a 32x48 image, got (5, 45)"),
+    (dict(pos=empty(7, DIM, dtype=torch.bfloat16)), "pos_embed must be torch.float32, got torch.bfloat16"),
+    (dict(pre=empty(1, DIM - 1)), "prefix_tokens must have shape (1, 45), got (1, 44)"),
+    (dict(pre=empty(1, DIM, dtype=torch.float16)), "prefix_tokens must be torch.float32, got torch.float16"),
+    (dict(out=empty(1, 6, DIM)), "out must have shape (1, 7, 45), got (1, 6, 45)"),
+    (dict(out=empty(1, 7, DIM, dtype=torch.bfloat16)), "out must be torch.float32, got torch.bfloat16"),
+    (dict(out=empty(1, DIM, 7).transpose(1, 2)), "out must have unit stride along D, got strides (315, 1, 7)"),
 ])
-def test_bad_input(change, match):
-    px, w, b, pos, pre = make(*CASES[0], torch.float32, torch.float32)
-    args = dict(px=px, w=w, b=b, pos=pos, pre=pre)
-    args.update({k: v.to(DEVICE) for k, v in change.items()})
-    with pytest.raises(ValueError, match=match):
-        patch_embed(args["px"], args["w"], args["b"], args["pos"], args["pre"])
+def test_bad_input(change, message):
+    args = dict(zip(("px", "w", "b", "pos", "pre"), inputs(*CASES[7], torch.float32, torch.float32)), out=None) | change
+    with raises_value_error(message):
+        patch_embed(args["px"], args["w"], args["b"], args["pos"], args["pre"], out=args["out"])

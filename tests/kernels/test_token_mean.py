@@ -1,33 +1,69 @@
 """token_mean against Tensor.mean over the token axis."""
 
+import itertools
+
 import pytest
 import torch
 
-from tests.numerics import DEVICE, DTYPES, assert_matches_torch
+from tests.kernels.checks import assert_written_in_place, check, each_dtype, empty, nan_filled, rand, raises_value_error
 from vit_triton.kernels import token_mean
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("batch, tokens, dim, start", [(1, 1, 16, 0), (3, 37, 300, 1), (2, 197, 768, 5),
-                                                       (1, 50, 96, 49)])
-def test_shapes(dtype, batch, tokens, dim, start):
-    torch.manual_seed(tokens + dim)
-    x = torch.randn(batch, tokens, dim, device=DEVICE).to(dtype)
-    assert_matches_torch(lambda x: token_mean(x, start), lambda x: x[:, start:].mean(1), x)
+def torch_token_mean(start):
+    return lambda x: x[:, start:].mean(1)
 
 
-def test_strided_input_and_every_element_written():
-    x = torch.randn(3, 20, 2, 70, device=DEVICE)[:, :, 1]     # token stride 140, unit stride along D
-    out = torch.full((3, 70), float("nan"), device=DEVICE)
-    token_mean(x, 2, out=out)
-    torch.testing.assert_close(out, x[:, 2:].mean(1), rtol=1e-5, atol=1e-6)
+def average(x, start):
+    check(token_mean(x, start), torch_token_mean(start), x)
 
 
-@pytest.mark.parametrize("call, match", [
-    (lambda x: token_mean(x[0]), r"x must be 3-D \[B, T, D\]"),
-    (lambda x: token_mean(x, 7), r"start must be in \[0, 7\), got 7"),
-    (lambda x: token_mean(x, out=torch.empty(2, 5, device=DEVICE)), r"shape \(2, 8\)"),
+STARTS = [0, 1, 5]                              # all tokens; after the class token; after class + 4 registers
+TOKENS = [7, 37, 197]
+DIMS = [301, 777, 45]                           # two column blocks of 256 and more, and one partial block
+
+
+@each_dtype
+@pytest.mark.parametrize("start, tokens", list(itertools.product(STARTS, TOKENS)))
+def test_shapes(dtype, start, tokens):
+    batch, dim = 1 + 2 * (start % 2), DIMS[(STARTS.index(start) + TOKENS.index(tokens)) % len(DIMS)]
+    average(rand(batch, tokens, dim, dtype=dtype), start)
+
+
+@each_dtype
+def test_one_token(dtype):
+    average(rand(3, 1, 301, dtype=dtype), 0)
+
+
+@each_dtype
+@pytest.mark.parametrize("layout", ["token-pairs", "wide-rows"])
+def test_strided_input(dtype, layout):
+    # Tokens further apart than D: every other token of a tensor, or rows with columns past D.
+    x = rand(3, 37, 2, 301, dtype=dtype)[:, :, 1] if layout == "token-pairs" else rand(3, 37, 310, dtype=dtype)[..., :301]
+    average(x, 1)
+
+
+@each_dtype
+def test_every_element_is_written_in_place(dtype):
+    x = rand(3, 37, 301, dtype=dtype)
+    buffer = nan_filled(3, 305, dtype=dtype)
+    out = buffer[:, 2:303]
+    result = token_mean(x, 5, out=out)
+    assert_written_in_place(result, out, buffer)
+    check(result, torch_token_mean(5), x)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(x=empty(7, 8)), "x must be 3-D [B, T, D] with unit stride along D, got shape (7, 8)"),
+    (dict(x=empty(2, 8, 7).transpose(1, 2)), "x must be 3-D [B, T, D] with unit stride along D, got shape (2, 7, 8) "
+                                             "and strides (56, 1, 7)"),
+    (dict(x=empty(2, 7, 8).int()), "x must be float32, float16 or bfloat16, got torch.int32"),
+    (dict(start=7), "start must be in [0, 7), got 7"),
+    (dict(start=-1), "start must be in [0, 7), got -1"),
+    (dict(out=empty(2, 7)), "out must be a torch.float32 tensor of shape (2, 8) with unit stride along D"),
+    (dict(out=empty(2, 8, dtype=torch.float16)), "out must be a torch.float32 tensor of shape (2, 8)"),
+    (dict(out=empty(8, 2).t()), "out must be a torch.float32 tensor of shape (2, 8) with unit stride along D"),
 ])
-def test_bad_input(call, match):
-    with pytest.raises(ValueError, match=match):
-        call(torch.randn(2, 7, 8, device=DEVICE))
+def test_bad_input(change, message):
+    args = dict(x=empty(2, 7, 8), start=0, out=None) | change
+    with raises_value_error(message):
+        token_mean(args["x"], args["start"], out=args["out"])

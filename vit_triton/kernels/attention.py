@@ -4,7 +4,7 @@ Layouts: q, k, v [B, T, H, Dh], any batch/token/head strides and unit stride alo
 are read straight out of the QKV GEMM's [B*T, 3*H*Dh] output (qkv.view(B, T, 3, H, Dh)[:, :, i]).
 o [B, T, H, Dh] contiguous, which is the [B*T, H*Dh] row-major input of the out-projection.
 
-One launch covers all batches and heads: program (i, b*H + h) owns BLOCK_M queries, streams K
+One launch covers all batches and heads: program (b*H + h, i) owns BLOCK_M queries, streams K
 and V in BLOCK_N tiles and keeps a running max and sum (online softmax, base 2 with the scale
 folded into log2(e)), so the T x T scores never leave on-chip memory. Head dims that are not a
 power of two (80, 96) are padded to one in registers by masked loads.
@@ -45,10 +45,10 @@ def _attention_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    bh = tl.program_id(1)
+    bh = tl.program_id(0)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
@@ -112,7 +112,8 @@ def fused_attention(
     scale = Dh ** -0.5 if scale is None else scale
 
     def grid(meta):
-        return (triton.cdiv(T, meta["BLOCK_M"]), B * H)
+        # B*H on axis 0, which allows 2^31 - 1 programs (axis 1 allows 65535).
+        return (B * H, triton.cdiv(T, meta["BLOCK_M"]))
 
     _attention_kernel[grid](
         q, k, v, out,

@@ -60,6 +60,8 @@ def layer_norm(
     else:
         check_shape("out", out, (M, D))
         check_dtype("out", out, x.dtype)
+        if out.stride(1) != 1:
+            raise ValueError(f"out must have unit stride along D, got strides {out.stride()}")
     block_d = triton.next_power_of_2(D)
     # About 4K elements a program: several rows when D is small, one 16-byte load a thread when large.
     block_m = max(1, min(4096 // block_d, triton.next_power_of_2(M)))

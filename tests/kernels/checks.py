@@ -1,0 +1,74 @@
+"""What every kernel test does: fresh random inputs on DEVICE, a float64 reference on the CPU from
+the very same (already rounded) inputs, PyTorch's own result in the inputs' precision on DEVICE,
+and the DESIGN.md tolerance between them."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+import pytest
+import torch
+
+from tests.numerics import DEVICE, DTYPES, LOW_PRECISION_FACTOR, assert_close, rel_err
+
+# @each_dtype on a test runs it once per dtype, with readable ids ("float32", "bfloat16", "float16").
+each_dtype = pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+
+
+def rand(*shape: int, dtype: torch.dtype, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:
+    """N(shift, scale^2) on DEVICE, rounded to dtype."""
+    return (torch.randn(*shape, device=DEVICE) * scale + shift).to(dtype)
+
+
+def nan_filled(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    """An out= buffer that shows any element a kernel forgets to write."""
+    return torch.full(shape, float("nan"), device=DEVICE, dtype=dtype)
+
+
+def reference(torch_fn, *inputs: torch.Tensor | None) -> torch.Tensor:
+    """torch_fn on float64 CPU copies of the inputs (None and non-float inputs pass through)."""
+    return torch_fn(*(t.to("cpu", torch.float64) if t is not None and t.is_floating_point() else t
+                      for t in inputs))
+
+
+def assert_like_torch(out: torch.Tensor, ref: torch.Tensor, torch_out: torch.Tensor) -> None:
+    """The 16-bit rule in any precision: out's error at most 1.5x PyTorch's own, never NaN or Inf."""
+    err, torch_err = rel_err(out, ref), rel_err(torch_out, ref)
+    assert err <= LOW_PRECISION_FACTOR * torch_err, (
+        f"{out.dtype}: relative error {err:.3e} > {LOW_PRECISION_FACTOR} x PyTorch's {torch_err:.3e}")
+
+
+def check(out: torch.Tensor, torch_fn, *inputs: torch.Tensor | None) -> torch.Tensor:
+    """out, our kernel's result from `inputs`, against torch_fn: float64 on the CPU for the reference,
+    and torch_fn(*inputs) on DEVICE in out's precision for the 16-bit tolerance. Returns out."""
+    assert_close(out, reference(torch_fn, *inputs), out.dtype, torch_fn(*inputs))
+    return out
+
+
+@contextlib.contextmanager
+def tf32_matmuls():
+    """PyTorch's float32 matmuls on tf32 tensor cores (allow_tf32) for the duration."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def assert_written_in_place(result: torch.Tensor, out: torch.Tensor, buffer: torch.Tensor) -> None:
+    """result is the out= view, every element of it written, and nothing of `buffer` outside it."""
+    assert result.data_ptr() == out.data_ptr() and result.shape == out.shape
+    assert not out.isnan().any(), "elements of out were left unwritten"
+    assert buffer.isnan().sum() == buffer.numel() - out.numel(), "elements outside out were written"
+
+
+def empty(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A tensor whose values no test reads: the bad-input cases, rejected before any launch."""
+    return torch.empty(*shape, device=DEVICE, dtype=dtype)
+
+
+def raises_value_error(message: str):
+    """pytest.raises for a ValueError whose message contains `message` word for word."""
+    return pytest.raises(ValueError, match=re.escape(message))
