@@ -8,6 +8,7 @@ import pytest
 import timm
 import torch
 import transformers
+from timm.layers import RmsNorm
 from timm.models.vision_transformer import VisionTransformer
 
 from tests.numerics import DEVICE, assert_close, randomize_
@@ -21,7 +22,8 @@ TINY_TIMM = dict(img_size=24, patch_size=8, embed_dim=64, depth=2, num_heads=2, 
 
 def _check_parity(ref: torch.nn.Module, run_ref, convert, dtype: torch.dtype, size: int = 24,
                   in_chans: int = 3) -> None:
-    """Features and outputs of convert(ref) against ref in float64, in `dtype` (16-bit: vs ref in dtype)."""
+    """Features, outputs and pre-logits of convert(ref) against ref in float64, in `dtype` (16-bit: vs ref
+    in dtype). run_ref(model, pixels) returns the reference's (features, output, pre-logits)."""
     ref = randomize_(ref).to(DEVICE).eval()
     ref64 = copy.deepcopy(ref).double()
     ref_lp = ref.to(dtype)
@@ -30,20 +32,23 @@ def _check_parity(ref: torch.nn.Module, run_ref, convert, dtype: torch.dtype, si
     pixels = torch.randn(3, in_chans, size, size, device=DEVICE)
     with torch.no_grad():
         want, theirs = run_ref(ref64, pixels.double()), run_ref(ref_lp, pixels.to(dtype))
-        got = (ours.forward_features(pixels.to(dtype)), ours(pixels.to(dtype)))
+        features = ours.forward_features(pixels.to(dtype))
+        got = (features, ours.forward_head(features), ours.forward_head(features, pre_logits=True))
     for g, t, w in zip(got, theirs, want):
         assert_close(g, w, dtype, t)
 
 
 def _hf_outputs(model, pixels):
+    """last_hidden_state, logits (ViTModel: the class token), and the class token (the classifier's input)."""
     if isinstance(model, transformers.ViTForImageClassification):
-        return model.vit(pixels).last_hidden_state, model(pixels).logits
+        features = model.vit(pixels).last_hidden_state
+        return features, model(pixels).logits, features[:, 0]
     features = model(pixels).last_hidden_state
-    return features, features[:, 0]
+    return features, features[:, 0], features[:, 0]
 
 
 HF_VARIANTS = {
-    "classifier": (transformers.ViTForImageClassification, dict(num_labels=5)),
+    "classifier": (transformers.ViTForImageClassification, dict(num_labels=50)),
     "model-no-qkv-bias-tanh": (transformers.ViTModel, dict(qkv_bias=False, hidden_act="gelu_pytorch_tanh",
                                                             layer_norm_eps=1e-6)),
     "classifier-quick-gelu": (transformers.ViTForImageClassification,
@@ -83,9 +88,29 @@ def test_hub_key_spelling_maps_to_the_same_weights():
     assert torch.equal(ours_new["blocks.1.qkv.weight"], torch.cat([q, k, v]))
 
 
+def test_hf_pooler_and_mask_token_are_dropped():
+    model = transformers.ViTModel(transformers.ViTConfig(**TINY_HF), add_pooling_layer=True, use_mask_token=True)
+    assert {"pooler.dense.weight", "embeddings.mask_token"} <= set(model.state_dict())
+    ours = from_hf(model)
+    assert ours.config.num_classes == 0 and not ours.training
+
+
+@pytest.mark.parametrize("hidden_act, act", [("gelu", "gelu"), ("gelu_pytorch_tanh", "gelu_tanh"),
+                                             ("gelu_new", "gelu_tanh"), ("quick_gelu", "quick_gelu")])
+def test_hf_activations(hidden_act, act):
+    assert hf_config_to_vit(transformers.ViTConfig(**TINY_HF, hidden_act=hidden_act).to_dict()).act == act
+
+
+def test_hf_size_pairs():
+    config = transformers.ViTConfig(**TINY_HF).to_dict()
+    assert hf_config_to_vit({**config, "image_size": [24, 24], "patch_size": (8, 8)}).image_size == 24
+    with pytest.raises(ValueError, match=r"unsupported image_size \[24, 32\]; supported: square"):
+        hf_config_to_vit({**config, "image_size": [24, 32]})
+
+
 TIMM_VARIANTS = {
-    "token-head": dict(num_classes=5),
-    "avg-fc_norm-registers-no_embed_class": dict(global_pool="avg", reg_tokens=2, no_embed_class=True, num_classes=3),
+    "token-head": dict(num_classes=50),
+    "avg-fc_norm-registers-no_embed_class": dict(global_pool="avg", reg_tokens=2, no_embed_class=True, num_classes=50),
     "clip-pre_norm-quickgelu-no-head": dict(pre_norm=True, act_layer="quick_gelu", num_classes=0,
                                             norm_layer=partial(torch.nn.LayerNorm, eps=1e-5)),
     "no-class-token-tanh-no-qkv-bias": dict(class_token=False, global_pool="avg", act_layer="gelu_tanh",
@@ -99,7 +124,7 @@ TIMM_VARIANTS = {
 def test_from_timm_matches_timm(variant, dtype):
     def run(m, px):
         f = m.forward_features(px)
-        return f, m.forward_head(f)
+        return f, m.forward_head(f), m.forward_head(f, pre_logits=True)
     _check_parity(VisionTransformer(**TINY_TIMM, **TIMM_VARIANTS[variant]), run, from_timm, dtype)
 
 
@@ -140,6 +165,8 @@ def test_missing_value_projection_is_reported():
     (dict(global_pool="map"), r"global_pool 'map' \(supported: token, avg\)"),
     (dict(init_values=0.1), r"layer scale \(init_values\)"),
     (dict(qk_norm=True), "qk_norm"),
+    (dict(norm_layer=RmsNorm), r"norm layer RmsNorm \(supported: LayerNorm\)"),
+    (dict(proj_bias=False), "proj_bias=False"),
 ])
 def test_unsupported_timm_features(kw, match):
     with pytest.raises(ValueError, match=match):

@@ -4,7 +4,8 @@ DeiTForImageClassification, DeiTForImageClassificationWithTeacher) -> vit-triton
 Keys come in two spellings: the hub's (transformers 4: encoder.layer.N.attention.attention.query,
 intermediate.dense, output.dense, ...) and transformers 5's (layers.N.attention.q_proj, mlp.fc1,
 ...). Both map here. q, k and v are concatenated into one QKV weight; ViTModel's pooler
-(dense + tanh over the class token) is not part of our forward, which returns the class token.
+(dense + tanh over the class token) is not part of our forward, which returns the class token, and
+neither is the mask token of ViTModel(use_mask_token=True).
 DeiT is ViT with a distillation token after the class token, and with a teacher, a second
 classifier on it (cls_classifier -> head, distillation_classifier -> head_dist).
 """
@@ -36,7 +37,18 @@ _RULES = [(r"(?:vit\.|deit\.)?" + pattern, repl) for pattern, repl in [
     (r"layernorm\.(weight|bias)", r"norm.\1"),
 ]] + [(r"(?:cls_)?classifier\.(weight|bias)", r"head.\1"),
        (r"distillation_classifier\.(weight|bias)", r"head_dist.\1")]
-_UNUSED = [(r"(?:vit\.|deit\.)?pooler\.dense\.(weight|bias)", "")]
+# Not in our forward: the pooler, and the mask token that only masked image modelling inputs use.
+_UNUSED = [(r"(?:vit\.|deit\.)?(?:pooler\.dense\.(?:weight|bias)|embeddings\.mask_token)", "")]
+
+
+def _square(config: dict, key: str) -> int:
+    """config[key] as one side: an int, or a [height, width] pair of equal sides."""
+    size = config[key]
+    if isinstance(size, int):
+        return size
+    if len(size) == 2 and size[0] == size[1]:
+        return size[0]
+    raise ValueError(f"unsupported {key} {size!r}; supported: square (an int or two equal sides)")
 
 
 def hf_config_to_vit(config: dict, num_classes: int = 0, head_dist: bool = False) -> ViTConfig:
@@ -48,8 +60,8 @@ def hf_config_to_vit(config: dict, num_classes: int = 0, head_dist: bool = False
     if act not in _ACTIVATIONS:
         raise ValueError(f"unsupported hidden_act {act!r}; supported: {', '.join(_ACTIVATIONS)}")
     return ViTConfig(
-        image_size=config["image_size"], patch_size=config["patch_size"], in_chans=config.get("num_channels", 3),
-        embed_dim=config["hidden_size"], depth=config["num_hidden_layers"],
+        image_size=_square(config, "image_size"), patch_size=_square(config, "patch_size"),
+        in_chans=config.get("num_channels", 3), embed_dim=config["hidden_size"], depth=config["num_hidden_layers"],
         num_heads=config["num_attention_heads"], mlp_dim=config["intermediate_size"],
         qkv_bias=config.get("qkv_bias", True), norm_eps=config.get("layer_norm_eps", 1e-12),
         act=_ACTIVATIONS[act], num_classes=num_classes, dist_token=config["model_type"] == "deit",

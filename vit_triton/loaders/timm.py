@@ -44,6 +44,8 @@ def timm_config_to_vit(module: nn.Module) -> ViTConfig:
     distilled = type(module).__name__ == "VisionTransformerDistilled"
     block = module.blocks[0]
     pe = module.patch_embed
+    other_norms = {type(n).__name__ for n in (block.norm1, block.norm2, module.norm_pre, module.norm, module.fc_norm)
+                   if not isinstance(n, (nn.LayerNorm, nn.Identity))}
     unsupported = {
         f"global_pool {module.global_pool!r} (supported: {', '.join(_POOLS)})": module.global_pool not in _POOLS,
         "attention pooling (attn_pool)": getattr(module, "attn_pool", None) is not None,
@@ -53,6 +55,8 @@ def timm_config_to_vit(module: nn.Module) -> ViTConfig:
         or not isinstance(getattr(block.mlp, "norm", nn.Identity()), nn.Identity),
         f"block type {type(block).__name__} (supported: Block)": type(block).__name__ != "Block",
         f"MLP type {type(block.mlp).__name__} (supported: Mlp)": type(block.mlp).__name__ != "Mlp",
+        f"norm layer {', '.join(sorted(other_norms))} (supported: LayerNorm)": bool(other_norms),
+        "proj_bias=False (projections without bias)": block.attn.proj.bias is None or block.mlp.fc2.bias is None,
         "dynamic_img_size": getattr(module, "dynamic_img_size", False),
         "no position embedding": module.pos_embed is None,
         "a norm layer in the patch embedding": not isinstance(getattr(pe, "norm", nn.Identity()), nn.Identity),
