@@ -13,14 +13,16 @@ from vit_triton.model.reference import reference_forward
 
 SMALL = dict(image_size=24, patch_size=8, embed_dim=64, depth=2, num_heads=2, mlp_dim=96)
 
+# Heads of 50 classes: a relative error over 3 x 50 logits is a stable measure in bf16; over a dozen
+# values, it swings past the 1.5x rule by chance in a few percent of draws.
 VARIANTS = {
-    "cls-head": dict(num_classes=5),
-    "avg-fc_norm-registers": dict(pool="avg", fc_norm=True, reg_tokens=3, num_classes=4, act="gelu_tanh"),
+    "cls-head": dict(num_classes=50),
+    "avg-fc_norm-registers": dict(pool="avg", fc_norm=True, reg_tokens=3, num_classes=50, act="gelu_tanh"),
     "clip-pre_norm-no_patch_bias": dict(pre_norm=True, patch_bias=False, act="quick_gelu", norm_eps=1e-5),
     "no-class-no_embed_class": dict(class_token=False, pool="avg", pos_embed_prefix=False, reg_tokens=1,
                                     qkv_bias=False, final_norm=False),
-    "deit-distilled": dict(dist_token=True, head_dist=True, num_classes=5),
-    "deit-dist_token-registers": dict(dist_token=True, reg_tokens=2, num_classes=3),
+    "deit-distilled": dict(dist_token=True, head_dist=True, num_classes=50),
+    "deit-dist_token-registers": dict(dist_token=True, reg_tokens=2, num_classes=50),
 }
 
 
