@@ -2,7 +2,7 @@
 
 The interpreter executes kernels as Python and accepts code that Triton's compiler rejects (a
 non-constexpr global, say); this compiles each kernel's first autotune config for every dtype
-and epilogue through to a cubin, and prints how many Hopper wgmma instructions each PTX holds.
+and epilogue through to a cubin, and prints how many Hopper wgmma and TMA (cp.async.bulk.tensor) instructions each PTX holds.
 """
 
 from __future__ import annotations
@@ -53,23 +53,27 @@ def cases():
     epilogues = [(True, "none", False)] + [(b, act, not b) for act in ACTIVATIONS[1:] for b in (True, False)][:4]
     for dtype in ("fp32", "bf16", "fp16"):
         for bias, act, res in epilogues if dtype == "bf16" else [(True, "gelu", True)]:
-            yield ("linear", _linear_kernel, dtype, {}, dict(
-                HAS_BIAS=bias, ACT=act, HAS_RESIDUAL=res, HAS_SCALE=not bias, INPUT_PRECISION="ieee"))
+            for tma in (False, True):
+                yield ("linear-tma" if tma else "linear", _linear_kernel, dtype, {}, dict(
+                    HAS_BIAS=bias, ACT=act, HAS_RESIDUAL=res, HAS_SCALE=not bias, INPUT_PRECISION="ieee",
+                    USE_TMA=tma))
         yield ("fused_attention", _attention_kernel, dtype, {}, dict(HEAD_DIM=80, BLOCK_D=128, INPUT_PRECISION="ieee"))
         yield ("patch_embed", _patch_embed_kernel, dtype, {}, dict(
             PATCH=16, HAS_BIAS=True, HAS_PREFIX=True, HAS_POS=True, POS_HAS_PREFIX=dtype != "fp16",
             INPUT_PRECISION="ieee"))
         yield ("layer_norm", _layer_norm_kernel, dtype, {"num_warps": 8}, dict(BLOCK_M=4, BLOCK_D=1024))
         yield ("token_mean", _token_mean_kernel, dtype, {"num_warps": 4}, dict(BLOCK_T=16, BLOCK_D=256))
-    yield ("linear", _linear_kernel, "tf32", {}, dict(HAS_BIAS=True, ACT="gelu", HAS_RESIDUAL=False,
-                                                       HAS_SCALE=False, INPUT_PRECISION="tf32"))
+    for tma in (False, True):
+        yield ("linear-tma" if tma else "linear", _linear_kernel, "tf32", {}, dict(
+            HAS_BIAS=True, ACT="gelu", HAS_RESIDUAL=True, HAS_SCALE=False, INPUT_PRECISION="tf32", USE_TMA=tma))
     yield ("fused_attention", _attention_kernel, "tf32", {}, dict(HEAD_DIM=64, BLOCK_D=64, INPUT_PRECISION="tf32"))
 
 
 def main() -> None:
     for name, kernel, dtype, options, constexprs in cases():
         ptx = compile_kernel(kernel, dtype, options, constexprs)
-        print(f"{name} {dtype} wgmma={ptx.count('wgmma.mma_async')}", flush=True)
+        print(f"{name} {dtype} wgmma={ptx.count('wgmma.mma_async')} tma={ptx.count('cp.async.bulk.tensor')}",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from vit_triton.bench import harness, roofline
+from vit_triton.bench.numerics import tolerance
 from vit_triton.bench.systems import build_systems
 from vit_triton.cli import main
 from vit_triton.model import PRESETS
@@ -109,3 +110,16 @@ def test_bench_cli_without_gpu(capsys):
     out = capsys.readouterr().out
     assert "no CUDA device, so no timings" in out
     assert "model output against ViTForImageClassification (float64)" in out and "FAIL" not in out
+
+
+def test_float32_tolerance_follows_the_matmul_precision():
+    # Exact float32 matmuls: the fixed 1e-5; tf32 allowed: 1.5x PyTorch's own error, as in 16-bit.
+    before = torch.get_float32_matmul_precision()
+    try:
+        assert tolerance(torch.float32, None) == 1e-5
+        torch.set_float32_matmul_precision("high")
+        assert tolerance(torch.float32, 2e-4) == pytest.approx(3e-4)
+        with pytest.raises(ValueError, match="PyTorch's own error"):
+            tolerance(torch.float32, None)
+    finally:
+        torch.set_float32_matmul_precision(before)

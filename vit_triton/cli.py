@@ -54,7 +54,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="model shape (timm name): vit_small_patch16_224, vit_base_patch16_224, "
                             "vit_large_patch16_224, vit_large_patch14_clip_336 (default: %(default)s)")
     bench.add_argument("--batch-sizes", default="1,8,32,128,256", help="comma-separated (default: %(default)s)")
-    bench.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES), help="(default: %(default)s)")
+    bench.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES) + ["tf32"],
+                       help="tf32: float32 tensors with every system's matmuls on tf32 tensor cores "
+                            "(torch.set_float32_matmul_precision('high')); fp32 keeps them exact "
+                            "(default: %(default)s)")
     bench.add_argument("--systems", default=None,
                        help="comma-separated subset of vit-triton,hf,timm,timm+compile:default,"
                             "timm+compile:max-autotune-no-cudagraphs,timm+compile:reduce-overhead (default: all)")
@@ -156,7 +159,9 @@ def _bench(args: argparse.Namespace) -> int:
         batch_sizes = sorted({int(b) for b in args.batch_sizes.split(",")})
     except ValueError:
         raise SystemExit(f"vit-triton bench: --batch-sizes must be comma-separated integers, got {args.batch_sizes!r}")
-    dtype = _dtype(args.dtype)
+    if args.dtype == "tf32":
+        torch.set_float32_matmul_precision("high")
+    dtype = _dtype("fp32" if args.dtype == "tf32" else args.dtype)
     if not on_gpu:
         return _bench_without_gpu(dtype)
     from .bench import harness, roofline, systems
@@ -166,7 +171,7 @@ def _bench(args: argparse.Namespace) -> int:
     if unknown:
         raise SystemExit(f"vit-triton bench: unknown systems {sorted(unknown)}; expected a subset of "
                          f"{','.join(systems.SYSTEMS)}")
-    cfg, device, out = PRESETS[args.model], torch.device("cuda"), Path(args.out) / args.model
+    cfg, device, out = PRESETS[args.model], torch.device("cuda"), Path(args.out) / args.model / args.dtype
     if args.kernels:
         _, _, ours = systems.build_systems(cfg, dtype, device, ("vit-triton",))
         roofline.run_roofline(args.model, cfg, batch_sizes[-1], dtype, device, ours, out)

@@ -77,12 +77,29 @@ def test_float32_matmul_precision(allow_tf32):
         out = linear(x, w, b, activation="gelu", residual=r, allow_tf32=allow_tf32)
         torch_out = fn(x, w, b, r)
     ref = reference(fn, x, w, b, r)
-    if allow_tf32 is False or DEVICE.type != "cuda":
-        # Full float32; the interpreter's dot is float32 whatever precision is asked for.
+    if allow_tf32 is False:
         assert_close(out, ref, torch.float32)
     else:
-        # tf32 keeps 10 mantissa bits: held to 1.5x PyTorch's own error with tf32 on.
+        # tf32 keeps 10 mantissa bits: held to 1.5x PyTorch's own error with tf32 on. A CPU has no
+        # tf32, so there PyTorch's is emulated: operands rounded to nearest tf32 (as cuBLAS does).
+        if DEVICE.type != "cuda":
+            torch_out = fn(round_to_tf32(x), round_to_tf32(w), b, r)
         assert_like_torch(out, ref, torch_out)
+
+
+def round_to_tf32(t):
+    """float32 rounded to 10 mantissa bits, ties away from zero."""
+    bits = t.contiguous().view(torch.int32)
+    return ((bits + 0x1000) & -0x2000).view(torch.float32)
+
+
+def test_tf32_operands_are_rounded_not_truncated():
+    # Operands just under a tf32 rounding boundary: truncating them would make every product low,
+    # a bias that grows with K; rounding them keeps the sum as close as cuBLAS gets it.
+    x = torch.full((64, 256), 1.0 + 2 ** -10 - 2 ** -22, device=DEVICE)
+    w = torch.full((32, 256), 1.0, device=DEVICE)
+    out = linear(x, w, allow_tf32=True)
+    assert torch.equal(out, torch.full_like(out, 256 * (1.0 + 2 ** -10))), out[0, 0].item()
 
 
 @each_dtype

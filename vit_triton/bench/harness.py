@@ -95,6 +95,7 @@ def run_bench(model_name: str, cfg: ViTConfig, batch_sizes: Sequence[int], dtype
               timer: Timer = do_bench_median, log: Callable[[str], None] = print) -> dict:
     """Time every system at every batch size; write bench.json (after each batch size) and a plot."""
     result = dict(model=model_name, config=cfg.to_dict(), dtype=str(dtype).removeprefix("torch."),
+                  float32_matmul_precision=torch.get_float32_matmul_precision(),
                   flops_per_image=model_flops(cfg), environment=environment(device), rows=[], skipped={})
     # Full-size ceilings on a GPU; token sizes on the CPU, where only the harness itself is tested.
     on_gpu = device.type == "cuda"

@@ -1,0 +1,63 @@
+"""First-call time of vit-triton in a fresh process, with and without the on-disk caches (CUDA only).
+
+The first forward at a new batch shape compiles each kernel variant and autotunes the GEMMs; Triton
+keeps both the compiled kernels and (cache_results=True) the autotuning choices under
+TRITON_CACHE_DIR. This runs the same child process twice on one empty cache directory: the first
+pays compilation and autotuning, the second should find both on disk.
+
+    python scripts/cold_start.py [--model vit_base_patch16_224] [--batch 32] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+CHILD = """
+import time, torch
+start = time.perf_counter()
+from vit_triton.model import PRESETS, ViT
+model = ViT(PRESETS[{model!r}], device="cuda", dtype=torch.bfloat16).eval()
+x = torch.randn({batch}, 3, model.config.image_size, model.config.image_size, device="cuda", dtype=torch.bfloat16)
+built = time.perf_counter()
+with torch.inference_mode():
+    model(x)
+torch.cuda.synchronize()
+first = time.perf_counter()
+with torch.inference_mode():
+    model(x)
+torch.cuda.synchronize()
+print(built - start, first - built, time.perf_counter() - first)
+"""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="vit_base_patch16_224")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "TRITON_CACHE_DIR": cache}
+        for run in ("cold (empty cache)", "warm (cache on disk)"):
+            t0 = time.perf_counter()
+            out = subprocess.run([sys.executable, "-c", CHILD.format(model=args.model, batch=args.batch)],
+                                 env=env, capture_output=True, text=True, check=True).stdout.split()
+            build_s, first_s, second_s = map(float, out[-3:])
+            rows.append(dict(run=run, process_s=time.perf_counter() - t0, build_s=build_s,
+                             first_forward_s=first_s, second_forward_s=second_s))
+            print(f"{run:22s} process {rows[-1]['process_s']:6.1f} s  first forward {first_s:6.2f} s  "
+                  f"second {second_s * 1e3:7.2f} ms", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(model=args.model, batch=args.batch, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
