@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 
-from vit_triton.kernels._common import input_precision, num_programs, tma_ready
+from vit_triton.kernels._common import input_precision, num_programs, tma_ready, use_torch_scratch
 
 # The package re-exports the launchers under the modules' names, so the modules come by path.
 linear_mod = importlib.import_module("vit_triton.kernels.linear")
@@ -91,6 +91,7 @@ def sweep_linear(shapes, candidates, dtype, quick: bool) -> list[dict]:
         r = torch.randn(M, N, device="cuda").to(dtype) if res else None
         y = torch.empty(M, N, device="cuda", dtype=dtype)
         tma = tma_ready(x, w, r, y)
+        use_torch_scratch()
         ref = ACT[act](F.linear(x.float(), w.float(), b.float())) + (r.float() if res else 0)
         torch_fn = (lambda: ACT[act](F.linear(x, w, b)) + r) if res else (lambda: ACT[act](F.linear(x, w, b)))
         t_torch = bench(torch_fn)
@@ -173,11 +174,14 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
     if "attention" in only:
         result["attention"] = sweep_attention(torch.bfloat16)
+    def chosen(shapes):
+        return [s for s in shapes if any(part in s[0] for part in args.shapes.split(","))]
+
     if "linear" in only:
-        result["linear"] = sweep_linear([s for s in LINEAR_SHAPES if any(p in s[0] for p in args.shapes.split(","))], LINEAR_CANDIDATES, torch.bfloat16, args.quick)
+        result["linear"] = sweep_linear(chosen(LINEAR_SHAPES), LINEAR_CANDIDATES, torch.bfloat16, args.quick)
     if "tf32" in only:
         torch.backends.cuda.matmul.allow_tf32 = True
-        result["tf32"] = sweep_linear([s for s in TF32_SHAPES if any(p in s[0] for p in args.shapes.split(","))], TF32_CANDIDATES, torch.float32, args.quick)
+        result["tf32"] = sweep_linear(chosen(TF32_SHAPES), TF32_CANDIDATES, torch.float32, args.quick)
     print(f"done in {time.time() - start:.0f} s")
     if args.json:
         with open(args.json, "w") as f:

@@ -1,6 +1,7 @@
 """linear: y = scale * (act(x @ W^T + b) [+ residual]) against F.linear and PyTorch's activations."""
 
 import itertools
+import threading
 from functools import partial
 
 import pytest
@@ -131,3 +132,15 @@ def test_bad_input(change, message):
     args = dict(zip("xwbr", inputs(5, 6, 8, torch.float32)), act="none", out=None) | change
     with raises_value_error(message):
         linear(args["x"], args["w"], args["b"], activation=args["act"], residual=args["r"], out=args["out"])
+
+
+def test_runs_from_a_new_thread():
+    # Aligned inputs take the TMA path, whose descriptors need Triton's scratch allocator; Triton
+    # keeps that in a ContextVar, which a new thread (a serving loop's worker) starts without.
+    x, w, b, r = inputs(128, 64, 96, torch.bfloat16)
+    results = []
+    worker = threading.Thread(target=lambda: results.append(linear(x, w, b, residual=r)))
+    worker.start()
+    worker.join()
+    assert len(results) == 1, "linear raised in the new thread"
+    check(results[0], torch_linear("none"), x, w, b, r)

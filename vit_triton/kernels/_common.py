@@ -97,20 +97,16 @@ def check_float(name: str, t: torch.Tensor) -> None:
 
 def tma_ready(*tensors: torch.Tensor | None) -> bool:
     """Whether every 2-D matrix can be read through a TMA descriptor: 16-byte aligned base address
-    and row stride, unit stride along the row. Also installs the allocator that in-kernel
-    descriptors draw their scratch space from."""
-    present = [t for t in tensors if t is not None]
-    if not all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 and t.stride(1) == 1
-               for t in present):
-        return False
-    global _ALLOCATOR_SET
-    if not _ALLOCATOR_SET:
-        triton.set_allocator(_scratch)
-        _ALLOCATOR_SET = True
-    return True
+    and row stride, unit stride along the row."""
+    return all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 and t.stride(1) == 1
+               for t in tensors if t is not None)
 
 
-_ALLOCATOR_SET = False
+def use_torch_scratch() -> None:
+    """Have kernels that build TMA descriptors draw their scratch space from PyTorch's allocator
+    (so from the graph pool during CUDA-graph capture). Triton keeps the allocator in a ContextVar,
+    which a new thread starts without, so this runs before each such launch, not once."""
+    triton.set_allocator(_scratch)
 
 
 def _scratch(size: int, alignment: int, stream) -> torch.Tensor:

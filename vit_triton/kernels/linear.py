@@ -8,10 +8,10 @@ The epilogue runs on the fp32 accumulator before the single store: bias, then th
 then the residual add, then the scale, so no elementwise kernel follows the GEMM.
 
 Schedule: output tiles in grouped order; a persistent config launches one (or two) programs per
-SM, each walking tiles pid, pid + grid, ... with the tile and K loops flattened, so the next tile's loads are
-in flight during this tile's epilogue. When every matrix is 16-byte aligned (base and row stride)
-tiles move through TMA descriptors, which zero-fill and clip at the edges; otherwise through masked
-pointer loads and stores.
+SM, each walking tiles pid, pid + grid, ... with the tile and K loops flattened, so the next
+tile's loads are in flight during this tile's epilogue. When every matrix is 16-byte aligned
+(base and row stride) tiles move through TMA descriptors, which zero-fill and clip at the edges;
+otherwise through masked pointer loads and stores.
 
 Cost: 2*M*N*K FLOPs; at least (M*K + N*K + M*N [+ M*N residual]) elements moved (+ N bias).
 """
@@ -23,7 +23,8 @@ import triton
 import triton.language as tl
 
 from ._common import (
-    INTERPRET, cast, check_device, check_dtype, check_float, check_shape, input_precision, mma, num_programs, tma_ready, tune,
+    INTERPRET, cast, check_device, check_dtype, check_float, check_shape, input_precision, mma, num_programs,
+    tma_ready, tune, use_torch_scratch,
 )
 
 ACTIVATIONS = ("none", "gelu", "gelu_tanh", "quick_gelu")
@@ -202,6 +203,9 @@ def linear(
         out = torch.empty((M, N), device=x.device, dtype=x.dtype)
 
     programs = num_programs(x.device)
+    use_tma = tma_ready(x, weight, residual, out)
+    if use_tma:
+        use_torch_scratch()
 
     def grid(meta):
         tiles = triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
@@ -213,6 +217,6 @@ def linear(
         x.stride(0), weight.stride(0),
         residual.stride(0) if residual is not None else 0, out.stride(0), scale,
         HAS_BIAS=bias is not None, ACT=activation, HAS_RESIDUAL=residual is not None, HAS_SCALE=scale != 1.0,
-        INPUT_PRECISION=input_precision(x.dtype, allow_tf32), USE_TMA=tma_ready(x, weight, residual, out),
+        INPUT_PRECISION=input_precision(x.dtype, allow_tf32), USE_TMA=use_tma,
     )
     return out
