@@ -6,7 +6,8 @@ o [B, T, H, Dh] contiguous, which is the [B*T, H*Dh] row-major input of the out-
 
 One launch covers all batches and heads: program (b*H + h, i) owns BLOCK_M queries, streams K
 and V in BLOCK_N tiles and keeps a running max and sum (online softmax, base 2 with the scale
-folded into log2(e)), so the T x T scores never leave on-chip memory. Head dims that are not a
+folded into log2(e)), so the T x T scores never leave on-chip memory. Only the last keys are
+masked, in blocks of 16, so a sequence of 197 costs 208 keys of work, not 256. Head dims that are not a
 power of two (80, 96) are padded to one in registers by masked loads.
 
 Cost: 4*B*H*T*T*Dh FLOPs (two GEMMs) + B*H*T*T exponentials; at least 4*B*T*H*Dh elements moved.
@@ -22,6 +23,32 @@ import triton.language as tl
 from ._common import cast, check_device, check_dtype, check_float, check_shape, input_precision, mma, tune
 
 _LOG2E = 1.4426950408889634
+TAIL_N = tl.constexpr(16)  # the smallest key block a 16-bit tensor-core product takes (k = 16)
+
+
+@triton.jit
+def _attend(acc, m_i, l_i, q, k_base, v_base, start, T, sk_t, sv_t, qk_scale, offs_d, mask_d,
+            INPUT_PRECISION: tl.constexpr, BLOCK: tl.constexpr, MASKED: tl.constexpr):
+    """One step of the online softmax over keys start .. start + BLOCK (masked past T if MASKED)."""
+    offs_n = start + tl.arange(0, BLOCK)
+    if MASKED:
+        valid_n = offs_n < T
+        k_mask = valid_n[None, :] & mask_d[:, None]
+        v_mask = valid_n[:, None] & mask_d[None, :]
+    else:
+        k_mask = mask_d[:, None]
+        v_mask = mask_d[None, :]
+    k = tl.load(k_base + offs_n[None, :] * sk_t + offs_d[:, None], mask=k_mask, other=0.0)
+    s = mma(q, k, tl.zeros((q.shape[0], BLOCK), dtype=tl.float32), INPUT_PRECISION) * qk_scale
+    if MASKED:
+        s = tl.where(valid_n[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    p = tl.math.exp2(s - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_base + offs_n[:, None] * sv_t + offs_d[None, :], mask=v_mask, other=0.0)
+    acc = mma(cast(p, v.dtype), v, acc * alpha[:, None], INPUT_PRECISION)
+    return acc, m_new, l_i
 
 
 @triton.autotune(
@@ -31,6 +58,7 @@ _LOG2E = 1.4426950408889634
             triton.Config({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=2),
             triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=3),
             triton.Config({"BLOCK_M": 128, "BLOCK_N": 32}, num_warps=4, num_stages=3),
+            triton.Config({"BLOCK_M": 128, "BLOCK_N": 32}, num_warps=4, num_stages=4),
             triton.Config({"BLOCK_M": 64, "BLOCK_N": 128}, num_warps=4, num_stages=2),
         ],
         triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=4, num_stages=1),
@@ -49,32 +77,26 @@ def _attention_kernel(
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
 
     q_ptrs = q_ptr + b * sq_b + h * sq_h + offs_m[:, None] * sq_t + offs_d[None, :]
     q = tl.load(q_ptrs, mask=(offs_m < T)[:, None] & mask_d[None, :], other=0.0)
-    k_ptrs = k_ptr + b * sk_b + h * sk_h + offs_n[None, :] * sk_t + offs_d[:, None]
-    v_ptrs = v_ptr + b * sv_b + h * sv_h + offs_n[:, None] * sv_t + offs_d[None, :]
+    k_base = k_ptr + b * sk_b + h * sk_h
+    v_base = v_ptr + b * sv_b + h * sv_h
 
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    for start in range(0, T, BLOCK_N):
-        valid_n = (start + offs_n) < T
-        k = tl.load(k_ptrs, mask=valid_n[None, :] & mask_d[:, None], other=0.0)
-        s = mma(q, k, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), INPUT_PRECISION) * qk_scale
-        s = tl.where(valid_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptrs, mask=valid_n[:, None] & mask_d[None, :], other=0.0)
-        acc = mma(cast(p, v.dtype), v, acc * alpha[:, None], INPUT_PRECISION)
-        m_i = m_new
-        k_ptrs += BLOCK_N * sk_t
-        v_ptrs += BLOCK_N * sv_t
+    # Whole key blocks without masks, then the last T % BLOCK_N keys in blocks of TAIL_N: at 197
+    # tokens, 3 x 64 + 16 keys are multiplied instead of 4 x 64.
+    whole = T - T % BLOCK_N
+    for start in range(0, whole, BLOCK_N):
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_base, v_base, start, T, sk_t, sv_t, qk_scale, offs_d, mask_d,
+                                INPUT_PRECISION, BLOCK_N, False)
+    for start in range(whole, T, TAIL_N):
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_base, v_base, start, T, sk_t, sv_t, qk_scale, offs_d, mask_d,
+                                INPUT_PRECISION, TAIL_N, True)
 
     o = acc / l_i[:, None]
     o_ptrs = o_ptr + b * so_b + h * so_h + offs_m[:, None] * so_t + offs_d[None, :]
