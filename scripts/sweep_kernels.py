@@ -5,7 +5,7 @@ How the autotune lists in vit_triton/kernels were chosen: each candidate is laun
 (cuBLAS plus the same epilogue in PyTorch ops; SDPA for attention). For linear, each compiled
 config is timed three times, launched persistently (one and two programs per SM) and with one
 program per tile,
-and the best few again through the pointer path (TMA off).
+and the best six again through the pointer path (TMA off).
 
     python scripts/sweep_kernels.py [--json sweep.json] [--quick]
 """
@@ -23,7 +23,6 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 
-from vit_triton.kernels import layer_norm, layer_norm_stats, linear
 from vit_triton.kernels._common import input_precision, num_programs, tma_ready, use_torch_scratch
 
 # The package re-exports the launchers under the modules' names, so the modules come by path.
@@ -67,29 +66,26 @@ ACT = {"none": lambda y: y, "gelu": F.gelu, "quick_gelu": lambda y: y * torch.si
 
 
 def bench(fn) -> float:
-    """fn's time replayed from a CUDA graph (after one eager call that autotunes), as the model runs
+    """fn's time replayed from a CUDA graph (after one eager call that compiles), as the model runs
     at small batch: GPU time, not Python's launch overhead, which dominates below a few thousand rows."""
     fn()
     return triton.testing.do_bench_cudagraph(fn, rep=40)
 
 
-def launch_linear(cfg, x, w, b, r, y, act, persistent: int, tma: bool, colsum=None):
+def launch_linear(cfg, x, w, b, r, y, act, persistent: int, tma: bool):
     bm, bn, bk, warps, stages = cfg
     M, K = x.shape
     N = w.shape[0]
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
     grid = (min(tiles, num_programs(x.device) * persistent) if persistent else tiles,)
     linear_mod._linear_kernel.fn[grid](
-        x, w, b, r, y, colsum, None, M, N, K, x.stride(0), w.stride(0), r.stride(0) if r is not None else 0,
-        y.stride(0), 1.0, 1e-6, HAS_BIAS=True, ACT=act, HAS_RESIDUAL=r is not None, HAS_SCALE=False,
-        NORM="none" if colsum is None else "inline",
+        x, w, b, r, y, M, N, K, x.stride(0), w.stride(0), r.stride(0) if r is not None else 0, y.stride(0), 1.0,
+        HAS_BIAS=True, ACT=act, HAS_RESIDUAL=r is not None, HAS_SCALE=False,
         INPUT_PRECISION=input_precision(x.dtype, True), USE_TMA=tma,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, PERSISTENT=1, num_warps=warps, num_stages=stages)
 
 
-def sweep_linear(shapes, candidates, dtype, quick: bool, norm: bool = False) -> list[dict]:
-    """norm: the LayerNorm folded into the GEMM, its sums inline or from layer_norm_stats, against
-    our LayerNorm kernel then the GEMM, and PyTorch's LayerNorm then cuBLAS plus the epilogue."""
+def sweep_linear(shapes, candidates, dtype, quick: bool) -> list[dict]:
     rows = []
     for name, M, N, K, act, res in shapes:
         x = torch.randn(M, K, device="cuda").to(dtype)
@@ -99,60 +95,34 @@ def sweep_linear(shapes, candidates, dtype, quick: bool, norm: bool = False) -> 
         y = torch.empty(M, N, device="cuda", dtype=dtype)
         tma = tma_ready(x, w, r, y)
         use_torch_scratch()
-        extra = {}
-        if norm:
-            g, beta = (torch.randn(K, device="cuda") * 0.1 + 1).to(dtype), (torch.randn(K, device="cuda") * 0.1).to(dtype)
-            w_in, b_in = w, b
-            w, b, colsum = linear_mod.fold_layer_norm(w_in, b_in, g, beta)
-            ref = ACT[act](F.linear(F.layer_norm(x.float(), (K,), g.float(), beta.float()), w_in.float(), b_in.float()))
-            torch_fn = lambda: ACT[act](F.linear(F.layer_norm(x, (K,), g, beta), w_in, b_in))  # noqa: E731
-            t_cublas = bench(lambda: F.linear(F.layer_norm(x, (K,), g, beta), w_in, b_in))
-            t_torch = bench(torch_fn)
-            inline_rows, linear_mod.INLINE_NORM_ROWS = linear_mod.INLINE_NORM_ROWS, M
-            t_inline = bench(lambda: linear(x, w, b, activation=act, norm_colsum=colsum))
-            linear_mod.INLINE_NORM_ROWS = inline_rows
-            extra = {"ours_layer_norm_ms": bench(lambda: layer_norm(x, g, beta, 1e-6)),
-                     "ours_stats_ms": bench(lambda: layer_norm_stats(x, 1e-6)),
-                     "ours_unfused_ms": bench(
-                         lambda: linear(layer_norm(x, g, beta, 1e-6), w_in, b_in, activation=act)),
-                     "ours_inline_ms": t_inline,
-                     "ours_stats_then_gemm_ms": bench(lambda: linear(
-                         x, w, b, activation=act, norm_colsum=colsum, norm_stats=layer_norm_stats(x, 1e-6)))}
-        else:
-            colsum = None
-            ref = ACT[act](F.linear(x.float(), w.float(), b.float())) + (r.float() if res else 0)
-            torch_fn = (lambda: ACT[act](F.linear(x, w, b)) + r) if res else (lambda: ACT[act](F.linear(x, w, b)))
-            t_cublas = bench(lambda: F.linear(x, w, b))
-            t_torch = bench(torch_fn)
+        ref = ACT[act](F.linear(x.float(), w.float(), b.float())) + (r.float() if res else 0)
+        torch_fn = (lambda: ACT[act](F.linear(x, w, b)) + r) if res else (lambda: ACT[act](F.linear(x, w, b)))
+        t_torch = bench(torch_fn)
+        t_cublas = bench(lambda: F.linear(x, w, b))
         timings = []
         for cfg in candidates:
             try:
                 t0 = time.time()
-                launch_linear(cfg, x, w, b, r, y, act, 1, tma, colsum)
+                launch_linear(cfg, x, w, b, r, y, act, 1, tma)
                 torch.cuda.synchronize()
                 compile_s = time.time() - t0
                 err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
                 for persistent in (1, 2, 0):
-                    t = bench(lambda: launch_linear(cfg, x, w, b, r, y, act, persistent, tma, colsum))
+                    t = bench(lambda: launch_linear(cfg, x, w, b, r, y, act, persistent, tma))
                     timings.append({"config": cfg, "persistent": persistent, "tma": tma, "ms": t, "max_rel_err": err,
                                     "first_call_s": compile_s})
             except Exception as e:  # out of shared memory, say
                 timings.append({"config": cfg, "error": f"{type(e).__name__}: {str(e)[:200]}"})
         ok = sorted((t for t in timings if "ms" in t), key=lambda t: t["ms"])
         if tma and not quick:
-            for best in ok[:3]:
-                t = bench(lambda: launch_linear(best["config"], x, w, b, r, y, act, best["persistent"], False, colsum))
+            for best in ok[:6]:
+                t = bench(lambda: launch_linear(best["config"], x, w, b, r, y, act, best["persistent"], False))
                 timings.append({**best, "tma": False, "ms": t})
         ok = sorted((t for t in timings if "ms" in t), key=lambda t: t["ms"])
         flops = 2 * M * N * K
-        row = {"shape": name, "M": M, "N": N, "K": K, "act": act, "residual": res, "dtype": str(dtype), "norm": norm,
-               "torch_ms": t_torch, "cublas_ms": t_cublas, **extra, "best": ok[0] if ok else None, "timings": timings}
+        row = {"shape": name, "M": M, "N": N, "K": K, "act": act, "residual": res, "dtype": str(dtype),
+               "torch_ms": t_torch, "cublas_ms": t_cublas, "best": ok[0] if ok else None, "timings": timings}
         rows.append(row)
-        if extra:
-            print(f"{name:24s} folded LayerNorm: inline {extra['ours_inline_ms']:.4f} ms, stats + GEMM "
-                  f"{extra['ours_stats_then_gemm_ms']:.4f} (stats {extra['ours_stats_ms']:.4f}); unfused "
-                  f"{extra['ours_unfused_ms']:.4f} (LayerNorm {extra['ours_layer_norm_ms']:.4f}); "
-                  f"torch LN + GEMM {t_torch:.4f}", flush=True)
         if ok:
             print(f"{name:24s} {dtype} torch {t_torch:.4f} ms (cuBLAS alone {t_cublas:.4f})  best {ok[0]['ms']:.4f} ms "
                   f"{flops / ok[0]['ms'] / 1e9:.0f} TFLOP/s {ok[0]['config']} persistent={ok[0]['persistent']} "
@@ -197,15 +167,15 @@ def sweep_attention(dtype, shapes) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write every timing here")
-    parser.add_argument("--quick", action="store_true",
-                        help="skip the TMA-off re-timing; for the folded LayerNorm, time the autotuned kernel only")
-    parser.add_argument("--only", choices=("linear", "fold", "tf32", "attention"), action="append")
+    parser.add_argument("--quick", action="store_true", help="skip the TMA-off re-timing")
+    parser.add_argument("--only", choices=("linear", "tf32", "attention"), action="append")
     parser.add_argument("--shapes", default="", help="only shapes whose name contains one of these (comma-separated)")
     args = parser.parse_args()
-    only = set(args.only or ("linear", "fold", "tf32", "attention"))
+    only = set(args.only or ("linear", "tf32", "attention"))
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__, flush=True)
     start = time.time()
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
+
     def chosen(shapes):
         return [s for s in shapes if any(part in s[0] for part in args.shapes.split(","))]
 
@@ -213,9 +183,6 @@ def main() -> None:
         result["attention"] = sweep_attention(torch.bfloat16, chosen(ATTENTION_SHAPES))
     if "linear" in only:
         result["linear"] = sweep_linear(chosen(LINEAR_SHAPES), LINEAR_CANDIDATES, torch.bfloat16, args.quick)
-    if "fold" in only:
-        folded = [s for s in chosen(LINEAR_SHAPES) if s[0].endswith(("qkv", "fc1"))]
-        result["fold"] = sweep_linear(folded, [] if args.quick else LINEAR_CANDIDATES, torch.bfloat16, True, norm=True)
     if "tf32" in only:
         torch.backends.cuda.matmul.allow_tf32 = True
         result["tf32"] = sweep_linear(chosen(TF32_SHAPES), TF32_CANDIDATES, torch.float32, args.quick)

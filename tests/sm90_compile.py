@@ -23,7 +23,6 @@ from vit_triton.kernels.token_mean import _token_mean_kernel  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 FLOAT_ARGS = {"eps", "qk_scale", "scale"}
-FP32_POINTERS = {"c_ptr", "s_ptr"}  # linear's LayerNorm column sums and row statistics
 
 
 def compile_kernel(kernel, dtype: str, options: dict, constexprs: dict) -> str:
@@ -37,10 +36,8 @@ def compile_kernel(kernel, dtype: str, options: dict, constexprs: dict) -> str:
         kernel = kernel.fn
     signature = {}
     for p in kernel.params:
-        if p.is_constexpr or p.name in constexprs:  # a None pointer, say
+        if p.is_constexpr:
             signature[p.name] = "constexpr"
-        elif p.name in FP32_POINTERS:
-            signature[p.name] = "*fp32"
         elif p.name.endswith("_ptr"):
             signature[p.name] = "*fp32" if dtype == "tf32" else f"*{dtype}"
         else:
@@ -56,24 +53,19 @@ def cases():
     epilogues = [(True, "none", False)] + [(b, act, not b) for act in ACTIVATIONS[1:] for b in (True, False)][:4]
     for dtype in ("fp32", "bf16", "fp16"):
         for bias, act, res in epilogues if dtype == "bf16" else [(True, "gelu", True)]:
-            # The folded LayerNorm (16-bit only) in both modes once per dtype, with the first epilogue.
-            norms = ("none", "inline", "stats") if dtype != "fp32" and (bias, act, res) == epilogues[0] else ("none",)
-            for tma, norm in itertools.product((False, True), norms):
+            for tma in (False, True):
                 yield ("linear-tma" if tma else "linear", _linear_kernel, dtype, {}, dict(
-                    HAS_BIAS=bias, ACT=act, HAS_RESIDUAL=res, HAS_SCALE=not bias, NORM=norm, INPUT_PRECISION="ieee",
+                    HAS_BIAS=bias, ACT=act, HAS_RESIDUAL=res, HAS_SCALE=not bias, INPUT_PRECISION="ieee",
                     USE_TMA=tma))
         yield ("fused_attention", _attention_kernel, dtype, {}, dict(HEAD_DIM=80, BLOCK_D=128, INPUT_PRECISION="ieee"))
         yield ("patch_embed", _patch_embed_kernel, dtype, {}, dict(
             PATCH=16, HAS_BIAS=True, HAS_PREFIX=True, HAS_POS=True, POS_HAS_PREFIX=dtype != "fp16",
             INPUT_PRECISION="ieee"))
-        for stats_only in (False, True):
-            yield ("layer_norm", _layer_norm_kernel, dtype, {"num_warps": 8}, dict(
-                BLOCK_M=4, BLOCK_D=1024, STATS_ONLY=stats_only, **({"w_ptr": None, "b_ptr": None} if stats_only else {})))
+        yield ("layer_norm", _layer_norm_kernel, dtype, {"num_warps": 8}, dict(BLOCK_M=4, BLOCK_D=1024))
         yield ("token_mean", _token_mean_kernel, dtype, {"num_warps": 4}, dict(BLOCK_T=16, BLOCK_D=256))
     for tma in (False, True):
         yield ("linear-tma" if tma else "linear", _linear_kernel, "tf32", {}, dict(
-            HAS_BIAS=True, ACT="gelu", HAS_RESIDUAL=True, HAS_SCALE=False, NORM="none", INPUT_PRECISION="tf32",
-            USE_TMA=tma))
+            HAS_BIAS=True, ACT="gelu", HAS_RESIDUAL=True, HAS_SCALE=False, INPUT_PRECISION="tf32", USE_TMA=tma))
     yield ("fused_attention", _attention_kernel, "tf32", {}, dict(HEAD_DIM=64, BLOCK_D=64, INPUT_PRECISION="tf32"))
 
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.kernels.checks import assert_written_in_place, check, each_dtype, empty, nan_filled, rand, raises_value_error
-from vit_triton.kernels import layer_norm, layer_norm_stats
+from vit_triton.kernels import layer_norm
 
 
 def torch_layer_norm(eps):
@@ -54,20 +54,6 @@ def test_every_element_is_written_in_place(dtype):
     check(result, torch_layer_norm(1e-6), x, w, b)
 
 
-def torch_stats(eps):
-    return lambda x: torch.stack([x.mean(1), torch.rsqrt(x.var(1, unbiased=False) + eps)], dim=1)
-
-
-@each_dtype
-@pytest.mark.parametrize("m, d, row_stride", [(1, 768, None), (37, 80, 89), (197, 1000, None)])
-def test_stats(dtype, m, d, row_stride):
-    # (mean, rstd) per row in float32, for every input dtype; PyTorch's row in float32 from the same x.
-    x, _, _ = inputs(m, d, dtype, row_stride)
-    stats = layer_norm_stats(x, 1e-5)
-    assert stats.dtype == torch.float32
-    check(stats, lambda x: torch_stats(1e-5)(x.float() if x.dtype != torch.float64 else x), x)
-
-
 @pytest.mark.parametrize("change, message", [
     (dict(w=empty(11)), "weight must have shape (12,), got (11,)"),
     (dict(b=empty(1, 12)), "bias must have shape (12,), got (1, 12)"),
@@ -83,8 +69,3 @@ def test_bad_input(change, message):
     args = dict(zip("xwb", inputs(5, 12, torch.float32)), out=None) | change
     with raises_value_error(message):
         layer_norm(args["x"], args["w"], args["b"], 1e-6, out=args["out"])
-
-
-def test_stats_bad_input():
-    with raises_value_error("x must be 2-D [M, D] with unit stride along D, got shape (1, 5, 12)"):
-        layer_norm_stats(empty(1, 5, 12), 1e-6)

@@ -4,11 +4,7 @@ Layout: x [M, D] with unit stride along D (any row stride); weight, bias [D]; y 
 Each program normalises BLOCK_M rows held whole in registers: one read of x, one write of y;
 mean and variance are computed in fp32 from the registers (two-pass, no E[x^2] - E[x]^2).
 
-layer_norm_stats runs the same kernel but writes only each row's (mean, rstd) as float32 [M, 2],
-for a GEMM that applies the normalisation in its epilogue (linear's norm_stats).
-
-Cost: about 8*M*D FLOPs; (2*M*D + 2*D) elements moved (M*D + 4*M for the stats), so always
-memory-bound.
+Cost: about 8*M*D FLOPs; (2*M*D + 2*D) elements moved, so always memory-bound.
 """
 
 from __future__ import annotations
@@ -24,7 +20,7 @@ from ._common import cast, check_device, check_dtype, check_float, check_shape
 def _layer_norm_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
     M, D, stride_xm, stride_ym, eps,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, STATS_ONLY: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
@@ -35,34 +31,10 @@ def _layer_norm_kernel(
     mean = tl.sum(x, axis=1) / D
     diff = tl.where(mask, x - mean[:, None], 0.0)
     rstd = 1.0 / tl.sqrt(tl.sum(diff * diff, axis=1) / D + eps)
-    if STATS_ONLY:  # y is float32 [M, 2]
-        tl.store(y_ptr + 2 * rows, mean[:, None], mask=rows < M)
-        tl.store(y_ptr + 2 * rows + 1, rstd[:, None], mask=rows < M)
-    else:
-        w = tl.load(w_ptr + cols, mask=mask_d, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + cols, mask=mask_d, other=0.0).to(tl.float32)
-        y = diff * rstd[:, None] * w[None, :] + b[None, :]
-        tl.store(y_ptr + rows * stride_ym + cols[None, :], cast(y, y_ptr.dtype.element_ty), mask=mask)
-
-def _check_x(x: torch.Tensor) -> None:
-    check_float("x", x)
-    if x.dim() != 2 or x.stride(1) != 1:
-        raise ValueError(f"x must be 2-D [M, D] with unit stride along D, got shape {tuple(x.shape)} "
-                         f"and strides {x.stride()}")
-
-
-def _launch(x, weight, bias, out, eps, stats_only):
-    M, D = x.shape
-    block_d = triton.next_power_of_2(D)
-    # About 4K elements a program: several rows when D is small, one 16-byte load a thread when large.
-    block_m = max(1, min(4096 // block_d, triton.next_power_of_2(M)))
-    num_warps = min(16, max(1, block_m * block_d // 512))
-    _layer_norm_kernel[(triton.cdiv(M, block_m),)](
-        x, weight, bias, out,
-        M, D, x.stride(0), out.stride(0), eps,
-        BLOCK_M=block_m, BLOCK_D=block_d, STATS_ONLY=stats_only, num_warps=num_warps,
-    )
-    return out
+    w = tl.load(w_ptr + cols, mask=mask_d, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + cols, mask=mask_d, other=0.0).to(tl.float32)
+    y = diff * rstd[:, None] * w[None, :] + b[None, :]
+    tl.store(y_ptr + rows * stride_ym + cols[None, :], cast(y, y_ptr.dtype.element_ty), mask=mask)
 
 
 def layer_norm(
@@ -75,7 +47,10 @@ def layer_norm(
 ) -> torch.Tensor:
     """LayerNorm of each row of a 2-D x [M, D] (unit stride along D) with weight, bias [D]."""
     check_device(x, weight, bias, out)
-    _check_x(x)
+    check_float("x", x)
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"x must be 2-D [M, D] with unit stride along D, got shape {tuple(x.shape)} "
+                         f"and strides {x.stride()}")
     M, D = x.shape
     for name, t in (("weight", weight), ("bias", bias)):
         check_shape(name, t, (D,))
@@ -87,12 +62,13 @@ def layer_norm(
         check_dtype("out", out, x.dtype)
         if out.stride(1) != 1:
             raise ValueError(f"out must have unit stride along D, got strides {out.stride()}")
-    return _launch(x, weight.contiguous(), bias.contiguous(), out, eps, False)
-
-
-def layer_norm_stats(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """float32 [M, 2]: each row's mean and 1 / sqrt(var + eps) for a 2-D x [M, D] (unit stride along
-    D), computed as layer_norm computes them."""
-    check_device(x)
-    _check_x(x)
-    return _launch(x, None, None, torch.empty((x.shape[0], 2), device=x.device, dtype=torch.float32), eps, True)
+    block_d = triton.next_power_of_2(D)
+    # About 4K elements a program: several rows when D is small, one 16-byte load a thread when large.
+    block_m = max(1, min(4096 // block_d, triton.next_power_of_2(M)))
+    num_warps = min(16, max(1, block_m * block_d // 512))
+    _layer_norm_kernel[(triton.cdiv(M, block_m),)](
+        x, weight.contiguous(), bias.contiguous(), out,
+        M, D, x.stride(0), out.stride(0), eps,
+        BLOCK_M=block_m, BLOCK_D=block_d, num_warps=num_warps,
+    )
+    return out

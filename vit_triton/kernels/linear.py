@@ -1,5 +1,4 @@
-"""Linear layer with a fused epilogue: y = scale * (act(x @ W^T + b) [+ residual]), optionally
-with the LayerNorm of x folded in: y = scale * (act(LN(x) @ W^T + b) [+ residual]).
+"""Linear layer with a fused epilogue: y = scale * (act(x @ W^T + b) [+ residual]).
 
 Layouts: x [M, K] with unit stride along K (any row stride, so a view such as tokens[:, 0] is
 read in place); W [N, K] row-major, the nn.Linear layout, read K-major as the tensor cores want
@@ -8,25 +7,13 @@ it (no transposed copy); b [N]; residual and y [M, N] with unit stride along N.
 The epilogue runs on the fp32 accumulator before the single store: bias, then the activation,
 then the residual add, then the scale, so no elementwise kernel follows the GEMM.
 
-LayerNorm folded in (norm_colsum given): LN(x) W^T + b = rstd * (x W'^T - mean * c) + b' with
-W' = W diag(gamma), c = W' 1 and b' = b + W beta (fold_layer_norm). The GEMM runs on x itself and
-the epilogue applies rstd and the mean; no normalised copy of x is written or read. The row
-statistics come one of two ways (NORM):
-- "inline": while x's tiles stream through the K loop each program also sums (x - x[:, 0]) and its
-  square per row (a shifted one-pass variance). One launch, no LayerNorm kernel: what small M,
-  bound by launches and latency, wants. Each column tile repeats the sums, in the loop's critical
-  path: at large M this cost the GEMM 11-35% on the H100, more than the LayerNorm it replaces.
-- "stats": (mean, rstd) per row read in the epilogue, made beforehand by layer_norm_stats, which
-  reads x once and writes 8 bytes a row: half the traffic of a LayerNorm, whose output it skips.
-
 Schedule: output tiles in grouped order; a persistent config launches one (or two) programs per
 SM, each walking tiles pid, pid + grid, ... with the tile and K loops flattened, so the next
 tile's loads are in flight during this tile's epilogue. When every matrix is 16-byte aligned
-(base and row stride) tiles move through TMA descriptors, which zero-fill and clip at the edges;
-otherwise through masked pointer loads and stores.
+(base and row stride) and M is at least TMA_MIN_ROWS, tiles move through TMA descriptors, which
+zero-fill and clip at the edges; otherwise through masked pointer loads and stores.
 
-Cost: 2*M*N*K FLOPs (+ 3*M*K per column tile for inline LayerNorm sums); at least
-(M*K + N*K + M*N [+ M*N residual]) elements moved (+ N bias, + N column sums, + 2*M stats).
+Cost: 2*M*N*K FLOPs; at least (M*K + N*K + M*N [+ M*N residual]) elements moved (+ N bias).
 """
 
 from __future__ import annotations
@@ -35,7 +22,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .layer_norm import layer_norm_stats
 from ._common import (
     INTERPRET, cast, check_device, check_dtype, check_float, check_shape, input_precision, mma, num_programs,
     tma_ready, tune, use_torch_scratch,
@@ -87,7 +73,10 @@ SMALL_M = [
 FLOAT32 = [_config(128, 128, 32, 8, 3), _config(128, 128, 32, 4, 4), _config(64, 128, 32, 4, 4),
            _config(64, 64, 32, 4, 4, 0)]
 SMALL_M_ROWS = 2048
-INLINE_NORM_ROWS = SMALL_M_ROWS  # up to this many rows a folded LayerNorm's sums run inline
+# Fewer rows than this take the pointer path even when aligned: each program builds its TMA
+# descriptors first, a fixed cost the copies do not earn back on a single image's 197 tokens (ViT-B
+# batch 1: 0.664 -> 0.619 ms a forward); at 1576 rows (batch 8) the TMA path is 1.26x faster.
+TMA_MIN_ROWS = 256
 
 
 def _candidates(configs, named_args, **kwargs):
@@ -112,17 +101,17 @@ def _tile_coords(tile, num_m, num_n, GROUP_M: tl.constexpr):
 
 @triton.autotune(
     configs=tune(LARGE_M + SMALL_M + FLOAT32, _config(32, 32, 32, 4, 1)),
-    key=["M", "N", "K", "HAS_BIAS", "ACT", "HAS_RESIDUAL", "HAS_SCALE", "NORM", "INPUT_PRECISION", "USE_TMA"],
+    key=["M", "N", "K", "HAS_BIAS", "ACT", "HAS_RESIDUAL", "HAS_SCALE", "INPUT_PRECISION", "USE_TMA"],
     prune_configs_by={"early_config_prune": _candidates},
     cache_results=True,
 )
 @triton.jit
 def _linear_kernel(
-    x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, c_ptr, s_ptr,
+    x_ptr, w_ptr, b_ptr, r_ptr, y_ptr,
     M, N, K,
-    stride_xm, stride_wn, stride_rm, stride_ym, scale, eps,
+    stride_xm, stride_wn, stride_rm, stride_ym, scale,
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_SCALE: tl.constexpr,
-    NORM: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PERSISTENT: tl.constexpr,  # read by the launcher only: programs per SM, or 0 for one per tile
 ):
@@ -144,10 +133,6 @@ def _linear_kernel(
         mask_m = offs_m < M
         mask_n = offs_n < N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if NORM == "inline":  # row sums of (x - shift) and its square, shifted by each row's first element
-            shift = tl.load(x_ptr + offs_m.to(tl.int64) * stride_xm, mask=mask_m, other=0.0).to(tl.float32)
-            sum1 = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            sum2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for k in range(0, tl.cdiv(K, BLOCK_K)):
             if USE_TMA:  # the TMA zero-fills what lies outside [M, K] and [N, K]
                 a = x_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
@@ -159,21 +144,7 @@ def _linear_kernel(
                 b = tl.load(w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + cols[:, None],
                             mask=mask_n[None, :] & (cols[:, None] < K), other=0.0)
             acc = mma(a, b, acc, INPUT_PRECISION)
-            if NORM == "inline":
-                d = tl.where(k * BLOCK_K + offs_k[None, :] < K, a.to(tl.float32) - shift[:, None], 0.0)
-                sum1 += tl.sum(d, axis=1)
-                sum2 += tl.sum(d * d, axis=1)
 
-        if NORM != "none":
-            if NORM == "inline":
-                mean = sum1 / K
-                rstd = 1.0 / tl.sqrt(tl.maximum(sum2 / K - mean * mean, 0.0) + eps)
-                mean += shift
-            else:
-                mean = tl.load(s_ptr + 2 * offs_m, mask=mask_m, other=0.0)
-                rstd = tl.load(s_ptr + 2 * offs_m + 1, mask=mask_m, other=0.0)
-            colsum = tl.load(c_ptr + offs_n, mask=mask_n, other=0.0)
-            acc = rstd[:, None] * (acc - mean[:, None] * colsum[None, :])
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         acc = _activation(acc, ACT)
@@ -201,25 +172,16 @@ def linear(
     activation: str = "none",
     residual: torch.Tensor | None = None,
     scale: float = 1.0,
-    norm_colsum: torch.Tensor | None = None,
-    norm_eps: float = 1e-6,
-    norm_stats: torch.Tensor | None = None,
     allow_tf32: bool | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y = scale * (activation(x @ weight.T + bias) + residual) for 2-D x [M, K] and weight [N, K].
 
     activation: "none", "gelu" (exact erf), "gelu_tanh" or "quick_gelu" (x * sigmoid(1.702 x)).
-    norm_colsum: float32 [N]; given, x (16-bit) is first layer-normalised (eps norm_eps) with the
-    LayerNorm's gamma and beta already folded into weight and bias by fold_layer_norm, whose third
-    output this is. norm_stats: float32 [M, 2], each row's (mean, rstd) from layer_norm_stats; when
-    None, the sums run inside the GEMM up to INLINE_NORM_ROWS rows and layer_norm_stats runs first
-    beyond that.
-    bias may be float32 (as fold_layer_norm makes it) or x's dtype.
     allow_tf32: for float32 inputs; None follows torch.get_float32_matmul_precision().
     out must not alias x or residual.
     """
-    check_device(x, weight, bias, residual, out, norm_colsum, norm_stats)
+    check_device(x, weight, bias, residual, out)
     check_float("x", x)
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be 2-D [M, K] with unit stride along K, got shape {tuple(x.shape)} "
@@ -233,25 +195,8 @@ def linear(
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
     if bias is not None:
         check_shape("bias", bias, (N,))
-        if bias.dtype != torch.float32:
-            check_dtype("bias", bias, x.dtype)
+        check_dtype("bias", bias, x.dtype)
         bias = bias.contiguous()
-    precision = input_precision(x.dtype, allow_tf32)
-    if norm_colsum is not None:
-        check_shape("norm_colsum", norm_colsum, (N,))
-        check_dtype("norm_colsum", norm_colsum, torch.float32)
-        if not norm_foldable(x.dtype):
-            raise ValueError(f"a folded LayerNorm needs float16 or bfloat16 inputs, got {x.dtype}: "
-                             "use layer_norm, then linear")
-        norm_colsum = norm_colsum.contiguous()
-        if norm_stats is None and M > INLINE_NORM_ROWS:
-            norm_stats = layer_norm_stats(x, norm_eps)
-        if norm_stats is not None:
-            check_shape("norm_stats", norm_stats, (M, 2))
-            check_dtype("norm_stats", norm_stats, torch.float32)
-            norm_stats = norm_stats.contiguous()
-    elif norm_stats is not None:
-        raise ValueError("norm_stats is only used with norm_colsum (a LayerNorm folded by fold_layer_norm)")
     for name, t in (("residual", residual), ("out", out)):
         if t is not None:
             check_shape(name, t, (M, N))
@@ -262,7 +207,7 @@ def linear(
         out = torch.empty((M, N), device=x.device, dtype=x.dtype)
 
     programs = num_programs(x.device)
-    use_tma = tma_ready(x, weight, residual, out)
+    use_tma = M >= TMA_MIN_ROWS and tma_ready(x, weight, residual, out)
     if use_tma:
         use_torch_scratch()
 
@@ -271,40 +216,11 @@ def linear(
         return (min(tiles, programs * meta["PERSISTENT"]) if meta["PERSISTENT"] else tiles,)
 
     _linear_kernel[grid](
-        x, weight, bias, residual, out, norm_colsum, norm_stats,
+        x, weight, bias, residual, out,
         M, N, K,
         x.stride(0), weight.stride(0),
-        residual.stride(0) if residual is not None else 0, out.stride(0), scale, norm_eps,
+        residual.stride(0) if residual is not None else 0, out.stride(0), scale,
         HAS_BIAS=bias is not None, ACT=activation, HAS_RESIDUAL=residual is not None, HAS_SCALE=scale != 1.0,
-        NORM="none" if norm_colsum is None else "inline" if norm_stats is None else "stats", INPUT_PRECISION=precision, USE_TMA=use_tma,
+        INPUT_PRECISION=input_precision(x.dtype, allow_tf32), USE_TMA=use_tma,
     )
     return out
-
-
-def norm_foldable(dtype: torch.dtype) -> bool:
-    """Whether linear folds a LayerNorm for inputs of this dtype: float16 and bfloat16 only.
-
-    Taking mean * c out after the GEMM cancels the fp32 sum's mean part, an error of about
-    2^-24 * |mean| / std: far below a 16-bit output's rounding, but not below float32's 1e-5
-    tolerance for every input (and tf32 would round x's mean with its deviations)."""
-    return dtype in (torch.float16, torch.bfloat16)
-
-
-@torch.no_grad()
-def fold_layer_norm(
-    weight: torch.Tensor, bias: torch.Tensor | None, norm_weight: torch.Tensor, norm_bias: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(W', b', c) with LN(x) @ weight.T + bias == rstd * (x @ W'.T - mean * c) + b' for any x.
-
-    W' = weight * norm_weight rounded once to weight's dtype; c = the rounded W' summed over K and
-    b' = bias + weight @ norm_bias, both float32. All computed in float64, once per set of weights.
-    Pass them as linear(x, W', b', norm_colsum=c, norm_eps=eps).
-    """
-    K = weight.shape[1]
-    check_shape("norm_weight", norm_weight, (K,))
-    check_shape("norm_bias", norm_bias, (K,))
-    w = weight.double()
-    folded = (w * norm_weight.double()).to(weight.dtype)
-    colsum = folded.double().sum(dim=1)
-    b = w @ norm_bias.double() + (bias.double() if bias is not None else 0.0)
-    return folded, b.float(), colsum.float()

@@ -10,9 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..kernels import fold_layer_norm, fused_attention, layer_norm, linear, norm_foldable, patch_embed, token_mean
+from ..kernels import fused_attention, layer_norm, linear, patch_embed, token_mean
 from .config import ViTConfig
-
 
 
 class LayerNorm(nn.Module):
@@ -35,24 +34,9 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(d_out, d_in, **factory))
         self.bias = nn.Parameter(torch.zeros(d_out, **factory)) if bias else None
         nn.init.trunc_normal_(self.weight, std=0.02)
-        self._folded: tuple[tuple, tuple[torch.Tensor, ...]] | None = None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
         return linear(x, self.weight, self.bias, activation=self.activation, residual=residual, scale=scale)
-
-    def after_norm(self, x: torch.Tensor, norm: LayerNorm) -> torch.Tensor:
-        """self(norm(x)): one GEMM with the LayerNorm folded in for 16-bit x, else two kernels.
-
-        The folded weights (a copy of W scaled by gamma) are made on first use and remade when any
-        of the parameters is replaced or changed in place."""
-        if not norm_foldable(x.dtype):
-            return self(norm(x))
-        params = (self.weight, self.bias, norm.weight, norm.bias)
-        key = tuple((p.data_ptr(), p._version) if p is not None else None for p in params)
-        if self._folded is None or self._folded[0] != key:
-            self._folded = (key, fold_layer_norm(*params))
-        weight, bias, colsum = self._folded[1]
-        return linear(x, weight, bias, activation=self.activation, norm_colsum=colsum, norm_eps=norm.eps)
 
 
 class PatchEmbed(nn.Module):
@@ -65,8 +49,7 @@ class PatchEmbed(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block; x is the [B*T, D] token matrix, updated by residual epilogues.
-    For 16-bit models both LayerNorms ride in the GEMMs after them (Linear.after_norm)."""
+    """Pre-norm transformer block; x is the [B*T, D] token matrix, updated by residual epilogues."""
 
     def __init__(self, cfg: ViTConfig, **factory) -> None:
         super().__init__()
@@ -82,10 +65,10 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, batch: int) -> torch.Tensor:
         tokens, d = x.shape[0] // batch, x.shape[1]
         # The QKV GEMM's [B*T, 3D] output is read in place as q, k, v [B, T, H, Dh] views.
-        qkv = self.qkv.after_norm(x, self.norm1).view(batch, tokens, 3, self.num_heads, d // self.num_heads)
+        qkv = self.qkv(self.norm1(x)).view(batch, tokens, 3, self.num_heads, d // self.num_heads)
         attn = fused_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2])
         x = self.proj(attn.view(batch * tokens, d), residual=x)
-        return self.fc2(self.fc1.after_norm(x, self.norm2), residual=x)
+        return self.fc2(self.fc1(self.norm2(x)), residual=x)
 
 
 class ViT(nn.Module):
