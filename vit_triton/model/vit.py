@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..kernels import fused_attention, layer_norm, linear, patch_embed, token_mean
+from ..ops import fused_attention, layer_norm, linear, patch_embed, token_mean
 from .config import ViTConfig
 
 

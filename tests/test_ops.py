@@ -1,0 +1,61 @@
+"""The torch.library ops: their fake (meta) functions agree with the kernels, and torch.compile
+traces a whole model into one graph whose output equals the eager forward bit for bit."""
+
+import pytest
+import torch
+
+from tests.numerics import DEVICE, randomize_
+from vit_triton import ops
+from vit_triton.model import ViT, ViTConfig
+
+DT = torch.bfloat16
+
+
+def _r(*shape, dtype=DT):
+    return torch.randn(*shape, device=DEVICE).to(dtype)
+
+
+def _qkv(B, T, H, Dh):
+    return _r(B, T, 3, H, Dh).unbind(2)   # strided views, as the model passes them
+
+
+CASES = {
+    "linear": (ops._linear, lambda: (_r(37, 48), _r(40, 48), _r(40), "gelu", _r(37, 40), 0.5)),
+    "linear-no-bias": (ops._linear, lambda: (_r(5, 32, dtype=torch.float32), _r(24, 32, dtype=torch.float32),
+                                             None, "none", None, 1.0)),
+    "linear-strided-x": (ops._linear, lambda: (_r(9, 3, 32)[:, 1], _r(16, 32), _r(16), "quick_gelu", None, 1.0)),
+    "layer_norm": (ops._layer_norm, lambda: (_r(21, 40), _r(40), _r(40), 1e-6)),
+    "fused_attention": (ops._fused_attention, lambda: (*_qkv(2, 19, 3, 16), None)),
+    "fused_attention-scale": (ops._fused_attention, lambda: (*_qkv(1, 5, 2, 32), 0.3)),
+    "patch_embed": (ops._patch_embed, lambda: (_r(2, 3, 16, 24, dtype=torch.float32), _r(32, 3, 8, 8), _r(32),
+                                               _r(7, 32), _r(1, 32))),
+    "patch_embed-bare": (ops._patch_embed, lambda: (_r(1, 3, 8, 8), _r(16, 3, 4, 4), None, None, None)),
+    "token_mean": (ops._token_mean, lambda: (_r(3, 11, 24), 1)),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_op_registration(case):
+    """Schema, fake tensor (shape, dtype, strides) and dispatch, as torch.library checks them."""
+    op, make = CASES[case]
+    torch.library.opcheck(op, make(), test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+
+
+def test_eager_calls_skip_the_dispatcher_and_agree_with_it():
+    x, w, b = _r(13, 32), _r(24, 32), _r(24)
+    direct = ops.linear(x, w, b, activation="gelu")
+    torch.testing.assert_close(direct, torch.ops.vit_triton.linear(x, w, b, "gelu", None, 1.0), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(num_classes=7),
+    dict(pool="avg", fc_norm=True, reg_tokens=2, num_classes=0, act="quick_gelu", pre_norm=True),
+])
+def test_torch_compile_traces_the_whole_model(cfg):
+    model = randomize_(ViT(ViTConfig(image_size=24, patch_size=8, embed_dim=64, depth=2, num_heads=2, mlp_dim=96,
+                                     **cfg), device=DEVICE)).to(DT).eval()
+    compiled = torch.compile(model, fullgraph=True)   # a graph break would raise
+    with torch.inference_mode():
+        for batch in (2, 3):   # the second batch size recompiles with a symbolic batch
+            pixels = _r(batch, 3, 24, 24)
+            torch.testing.assert_close(compiled(pixels), model(pixels), rtol=0, atol=0)

@@ -1,0 +1,114 @@
+"""The kernels as PyTorch operators (torch.library), so that torch.compile sees each one.
+
+Each launcher of vit_triton.kernels is registered as a custom op `vit_triton::<name>` with a fake
+(meta) implementation that gives the output's shape, dtype and layout without running anything.
+torch.compile then traces a vit-triton model into one graph of these opaque calls (no graph breaks
+on Triton's Python launcher) and can place it in a CUDA graph, fuse the PyTorch code around it, or
+compile a larger model that contains a ViT.
+
+Eager calls go straight to the launcher: the dispatcher costs about 5-10 us a call, which an
+eager forward at small batch (87 launches) would feel. Under torch.compile the same call is
+traced as the custom op. The launchers validate their inputs when they run; the fake functions
+only compute output shapes.
+
+No op here has a backward yet (roadmap step 5: training).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import kernels
+
+
+@torch.library.custom_op("vit_triton::linear", mutates_args=())
+def _linear(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str, residual: Tensor | None,
+            scale: float) -> Tensor:
+    return kernels.linear(x, weight, bias, activation=activation, residual=residual, scale=scale)
+
+
+@_linear.register_fake
+def _(x, weight, bias, activation, residual, scale):
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+@torch.library.custom_op("vit_triton::layer_norm", mutates_args=())
+def _layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
+    return kernels.layer_norm(x, weight, bias, eps)
+
+
+@_layer_norm.register_fake
+def _(x, weight, bias, eps):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("vit_triton::fused_attention", mutates_args=())
+def _fused_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> Tensor:
+    return kernels.fused_attention(q, k, v, scale=scale)
+
+
+@_fused_attention.register_fake
+def _(q, k, v, scale):
+    return q.new_empty(q.shape)
+
+
+@torch.library.custom_op("vit_triton::patch_embed", mutates_args=())
+def _patch_embed(pixels: Tensor, weight: Tensor, bias: Tensor | None, pos_embed: Tensor | None,
+                 prefix_tokens: Tensor | None) -> Tensor:
+    return kernels.patch_embed(pixels, weight, bias, pos_embed, prefix_tokens)
+
+
+@_patch_embed.register_fake
+def _(pixels, weight, bias, pos_embed, prefix_tokens):
+    size = weight.shape[-1]
+    num_patches = (pixels.shape[2] // size) * (pixels.shape[3] // size)
+    num_prefix = 0 if prefix_tokens is None else prefix_tokens.shape[0]
+    return weight.new_empty((pixels.shape[0], num_prefix + num_patches, weight.shape[0]))
+
+
+@torch.library.custom_op("vit_triton::token_mean", mutates_args=())
+def _token_mean(x: Tensor, start: int) -> Tensor:
+    return kernels.token_mean(x, start)
+
+
+@_token_mean.register_fake
+def _(x, start):
+    return x.new_empty((x.shape[0], x.shape[2]))
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, activation: str = "none",
+           residual: Tensor | None = None, scale: float = 1.0) -> Tensor:
+    """kernels.linear: scale * (activation(x @ weight.T + bias) + residual)."""
+    if torch.compiler.is_compiling():
+        return _linear(x, weight, bias, activation, residual, scale)
+    return kernels.linear(x, weight, bias, activation=activation, residual=residual, scale=scale)
+
+
+def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
+    """kernels.layer_norm: LayerNorm of each row of x [M, D]."""
+    if torch.compiler.is_compiling():
+        return _layer_norm(x, weight, bias, eps)
+    return kernels.layer_norm(x, weight, bias, eps)
+
+
+def fused_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None) -> Tensor:
+    """kernels.fused_attention: softmax(q k^T * scale) v for q, k, v [B, T, H, Dh]."""
+    if torch.compiler.is_compiling():
+        return _fused_attention(q, k, v, scale)
+    return kernels.fused_attention(q, k, v, scale=scale)
+
+
+def patch_embed(pixels: Tensor, weight: Tensor, bias: Tensor | None = None, pos_embed: Tensor | None = None,
+                prefix_tokens: Tensor | None = None) -> Tensor:
+    """kernels.patch_embed: tokens [B, P0 + Np, D] from pixels [B, C, H, W]."""
+    if torch.compiler.is_compiling():
+        return _patch_embed(pixels, weight, bias, pos_embed, prefix_tokens)
+    return kernels.patch_embed(pixels, weight, bias, pos_embed, prefix_tokens)
+
+
+def token_mean(x: Tensor, start: int = 0) -> Tensor:
+    """kernels.token_mean: mean of x [B, T, D] over tokens start..T-1."""
+    if torch.compiler.is_compiling():
+        return _token_mean(x, start)
+    return kernels.token_mean(x, start)
