@@ -1,9 +1,9 @@
 """First-call time of vit-triton in a fresh process, with and without the on-disk caches (CUDA only).
 
-The first forward at a new batch shape compiles each kernel variant and autotunes the GEMMs; Triton
-keeps both the compiled kernels and (cache_results=True) the autotuning choices under
-TRITON_CACHE_DIR. This runs the same child process twice on one empty cache directory: the first
-pays compilation and autotuning, the second should find both on disk.
+The first forward at a new batch shape compiles each kernel variant and tunes the GEMMs; Triton keeps
+the compiled kernels (and the other kernels' autotuning choices) under TRITON_CACHE_DIR, linear's
+tuner its choices under VIT_TRITON_CACHE_DIR. This runs the same child process twice with both on
+one empty directory: the first pays compilation and tuning, the second should find both on disk.
 
     python scripts/cold_start.py [--model vit_base_patch16_224] [--batch 32] [--json out.json]
 """
@@ -44,7 +44,7 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as cache:
-        env = {**os.environ, "TRITON_CACHE_DIR": cache}
+        env = {**os.environ, "TRITON_CACHE_DIR": cache, "VIT_TRITON_CACHE_DIR": cache}
         for run in ("cold (empty cache)", "warm (cache on disk)"):
             t0 = time.perf_counter()
             out = subprocess.run([sys.executable, "-c", CHILD.format(model=args.model, batch=args.batch)],

@@ -1,11 +1,11 @@
 """Time candidate tile configs of the linear and attention kernels at ViT shapes (CUDA only).
 
-How the autotune lists in vit_triton/kernels were chosen: each candidate is launched directly
-(no autotuner), timed from CUDA graph replays (do_bench_cudagraph), and compared with PyTorch at the same shape
-(cuBLAS plus the same epilogue in PyTorch ops; SDPA for attention). For linear, each compiled
-config is timed three times, launched persistently (one and two programs per SM) and with one
-program per tile,
-and the best six again through the pointer path (TMA off).
+How the candidate lists in vit_triton/kernels were chosen: each candidate is launched directly
+(no tuner), timed from CUDA graph replays (do_bench_cudagraph), and compared with PyTorch at the
+same shape (cuBLAS plus the same epilogue in PyTorch ops; SDPA for attention). For linear, each
+compiled config is timed launched persistently (one and, from a few thousand rows, two programs
+per SM) and with one program per tile, and the best six again through the pointer path (TMA
+off).
 
     python scripts/sweep_kernels.py [--json sweep.json] [--quick]
 """
@@ -23,7 +23,8 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 
-from vit_triton.kernels._common import input_precision, num_programs, tma_ready, use_torch_scratch
+from vit_triton.kernels._common import input_precision, pdl, tma_ready
+from vit_triton.kernels._tune import Config
 
 # The package re-exports the launchers under the modules' names, so the modules come by path.
 linear_mod = importlib.import_module("vit_triton.kernels.linear")
@@ -32,7 +33,7 @@ attention_mod = importlib.import_module("vit_triton.kernels.attention")
 # (name, M, N, K, activation, residual): ViT-B/16 at batches 1, 32 and 256, ViT-L/14 @ 336 at 64.
 LINEAR_SHAPES = [
     (f"{model} b{batch} {layer}", batch * tokens, n, k, act, res)
-    for model, tokens, dim, act_name, batches in (("B/16", 197, 768, "gelu", (256, 32, 1)),
+    for model, tokens, dim, act_name, batches in (("B/16", 197, 768, "gelu", (256, 32, 8, 1)),
                                                   ("L/14@336", 577, 1024, "quick_gelu", (64,)))
     for batch in batches
     for layer, n, k, act, res in (("qkv", 3 * dim, dim, "none", False), ("proj", dim, dim, "none", True),
@@ -48,6 +49,12 @@ LINEAR_CANDIDATES = [
     (64, 64, 128, 4, 4), (64, 32, 128, 4, 4), (64, 64, 256, 4, 3), (128, 128, 32, 8, 4),
     (128, 128, 64, 4, 2), (128, 128, 32, 4, 4), (128, 128, 64, 8, 2), (128, 128, 32, 8, 3),
 ]
+# Up to SMALL_M_ROWS rows: smaller tiles that give every SM work (one or two images), or 128-row tiles
+# for about one wave (a few thousand rows).
+TINY_M_CANDIDATES = [(32, 64, 128, 4, 4), (64, 32, 128, 4, 4), (32, 64, 256, 4, 3), (64, 64, 128, 4, 4),
+                     (64, 128, 64, 4, 4), (16, 64, 256, 4, 3), (64, 64, 64, 4, 4), (64, 128, 128, 4, 3)]
+SMALL_M_CANDIDATES = [(128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (128, 64, 64, 4, 4), (64, 256, 64, 4, 4),
+                      (128, 256, 64, 8, 3), (64, 128, 64, 4, 4), (64, 64, 64, 4, 4)]
 TF32_CANDIDATES = [(128, 128, 32, 8, 3), (128, 256, 32, 8, 3), (128, 128, 64, 8, 3), (128, 64, 32, 4, 4),
                    (64, 128, 32, 4, 4), (128, 128, 32, 4, 4)]
 TF32_SHAPES = [("B/16 b64 fc1 tf32", 64 * 197, 3072, 768, "gelu", False),
@@ -73,16 +80,11 @@ def bench(fn) -> float:
 
 
 def launch_linear(cfg, x, w, b, r, y, act, persistent: int, tma: bool):
-    bm, bn, bk, warps, stages = cfg
-    M, K = x.shape
-    N = w.shape[0]
-    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
-    grid = (min(tiles, num_programs(x.device) * persistent) if persistent else tiles,)
-    linear_mod._linear_kernel.fn[grid](
-        x, w, b, r, y, M, N, K, x.stride(0), w.stride(0), r.stride(0) if r is not None else 0, y.stride(0), 1.0,
-        HAS_BIAS=True, ACT=act, HAS_RESIDUAL=r is not None, HAS_SCALE=False,
-        INPUT_PRECISION=input_precision(x.dtype, True), USE_TMA=tma,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, PERSISTENT=1, num_warps=warps, num_stages=stages)
+    """One launch through the package's launch function; cfg: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps,
+    num_stages)."""
+    flags = dict(HAS_BIAS=True, ACT=act, HAS_RESIDUAL=r is not None, HAS_SCALE=False,
+                 INPUT_PRECISION=input_precision(x.dtype, True), USE_TMA=tma)
+    linear_mod.launch_linear(Config(*cfg, persistent), x, w, b, r, y, 1.0, flags)
 
 
 def sweep_linear(shapes, candidates, dtype, quick: bool) -> list[dict]:
@@ -93,21 +95,21 @@ def sweep_linear(shapes, candidates, dtype, quick: bool) -> list[dict]:
         b = torch.randn(N, device="cuda").to(dtype)
         r = torch.randn(M, N, device="cuda").to(dtype) if res else None
         y = torch.empty(M, N, device="cuda", dtype=dtype)
-        tma = tma_ready(x, w, r, y)
-        use_torch_scratch()
+        tma = tma_ready(x, w, r, y)   # as the launcher decides
         ref = ACT[act](F.linear(x.float(), w.float(), b.float())) + (r.float() if res else 0)
         torch_fn = (lambda: ACT[act](F.linear(x, w, b)) + r) if res else (lambda: ACT[act](F.linear(x, w, b)))
         t_torch = bench(torch_fn)
         t_cublas = bench(lambda: F.linear(x, w, b))
         timings = []
-        for cfg in candidates:
+        small = M <= linear_mod.SMALL_M_ROWS and dtype != torch.float32
+        for cfg in (TINY_M_CANDIDATES if M <= 512 else SMALL_M_CANDIDATES) if small else candidates:
             try:
                 t0 = time.time()
                 launch_linear(cfg, x, w, b, r, y, act, 1, tma)
                 torch.cuda.synchronize()
                 compile_s = time.time() - t0
                 err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
-                for persistent in (1, 2, 0):
+                for persistent in (1, 0) if small else (1, 2, 0):
                     t = bench(lambda: launch_linear(cfg, x, w, b, r, y, act, persistent, tma))
                     timings.append({"config": cfg, "persistent": persistent, "tma": tma, "ms": t, "max_rel_err": err,
                                     "first_call_s": compile_s})
@@ -148,7 +150,7 @@ def sweep_attention(dtype, shapes) -> list[dict]:
                     q, k, v, o, T, H, Dh ** -0.5 * math.log2(math.e),
                     *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
                     HEAD_DIM=Dh, BLOCK_D=Dh, INPUT_PRECISION="ieee", BLOCK_M=bm, BLOCK_N=bn,
-                    num_warps=warps, num_stages=stages)
+                    num_warps=warps, num_stages=stages, **pdl(q.device))
             try:
                 run()
                 err = ((o.float() - ref).abs().max() / ref.abs().max()).item()

@@ -2,7 +2,8 @@
 
 The interpreter executes kernels as Python and accepts code that Triton's compiler rejects (a
 non-constexpr global, say); this compiles each kernel's first autotune config for every dtype
-and epilogue through to a cubin, and prints how many Hopper wgmma and TMA (cp.async.bulk.tensor) instructions each PTX holds.
+and epilogue through to a cubin (as launched on Hopper, with programmatic dependent launch), and
+prints how many wgmma, TMA (cp.async.bulk.tensor) and griddepcontrol instructions each PTX holds.
 """
 
 from __future__ import annotations
@@ -17,63 +18,83 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from vit_triton.kernels.attention import _attention_kernel  # noqa: E402
 from vit_triton.kernels.layer_norm import _layer_norm_kernel  # noqa: E402
-from vit_triton.kernels.linear import ACTIVATIONS, _linear_kernel  # noqa: E402
+from vit_triton.kernels._tune import Config  # noqa: E402
+from vit_triton.kernels.linear import ACTIVATIONS, FLOAT32, LARGE_M, _linear_kernel  # noqa: E402
 from vit_triton.kernels.patch_embed import _patch_embed_kernel  # noqa: E402
 from vit_triton.kernels.token_mean import _token_mean_kernel  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 FLOAT_ARGS = {"eps", "qk_scale", "scale"}
+LINEAR_OPERANDS = {"x", "w", "r", "y"}   # linear's matrices: pointers, or descriptors with USE_TMA
 
 
-def compile_kernel(kernel, dtype: str, options: dict, constexprs: dict) -> str:
+def compile_kernel(kernel, dtype: str, options: dict, constexprs: dict, descriptors: dict | None = None) -> str:
     """PTX of `kernel` (a JITFunction or an Autotuner, whose first config is used) for sm_90.
 
-    Pointer arguments (named *_ptr) get `dtype` ("tf32" means fp32 pointers), integers i32."""
+    Pointer arguments (named *_ptr) get `dtype` ("tf32" means fp32 pointers), integers i32;
+    `descriptors` maps argument names to TMA descriptor block shapes (those arguments' type)."""
     if isinstance(kernel, triton.runtime.Autotuner):
         config = kernel.configs[0]
         constexprs = {**constexprs, **config.kwargs}
         options = {"num_warps": config.num_warps, "num_stages": config.num_stages, **options}
         kernel = kernel.fn
+    element = "fp32" if dtype == "tf32" else dtype
     signature = {}
     for p in kernel.params:
         if p.is_constexpr:
             signature[p.name] = "constexpr"
-        elif p.name.endswith("_ptr"):
-            signature[p.name] = "*fp32" if dtype == "tf32" else f"*{dtype}"
+        elif descriptors and p.name in descriptors:
+            signature[p.name] = f"tensordesc<{element}{list(descriptors[p.name])}>"
+        elif p.name.endswith("_ptr") or p.name in LINEAR_OPERANDS:
+            signature[p.name] = f"*{element}"
         else:
             signature[p.name] = "fp32" if p.name in FLOAT_ARGS else "i32"
+    constexprs = {**constexprs, "PDL": True}   # as launched on Hopper
     index = {p.name: (i,) for i, p in enumerate(kernel.params)}
     src = triton.compiler.ASTSource(fn=kernel, signature=signature,
                                     constexprs={index[k]: v for k, v in constexprs.items()})
     return triton.compile(src, target=TARGET, options=options).asm["ptx"]
 
 
+def linear_case(name: str, dtype: str, config: Config, **flags):
+    """linear with this launch config; USE_TMA passes x, w, r and y as descriptors of its tiles."""
+    bm, bn, bk, warps, stages, _ = config
+    constexprs = dict(flags, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8)
+    descriptors = dict(x=(bm, bk), w=(bn, bk), r=(bm, bn), y=(bm, bn)) if flags["USE_TMA"] else None
+    if descriptors and not flags["HAS_RESIDUAL"]:
+        del descriptors["r"]
+    return name, _linear_kernel, dtype, {"num_warps": warps, "num_stages": stages}, constexprs, descriptors
+
+
 def cases():
-    """(name, kernel, dtype, options, constexprs): each dtype once, each epilogue flag once in bf16."""
+    """(name, kernel, dtype, options, constexprs, descriptors): each dtype once, each epilogue flag
+    once in bf16."""
     epilogues = [(True, "none", False)] + [(b, act, not b) for act in ACTIVATIONS[1:] for b in (True, False)][:4]
     for dtype in ("fp32", "bf16", "fp16"):
+        config = FLOAT32[0] if dtype == "fp32" else LARGE_M[0]
         for bias, act, res in epilogues if dtype == "bf16" else [(True, "gelu", True)]:
             for tma in (False, True):
-                yield ("linear-tma" if tma else "linear", _linear_kernel, dtype, {}, dict(
-                    HAS_BIAS=bias, ACT=act, HAS_RESIDUAL=res, HAS_SCALE=not bias, INPUT_PRECISION="ieee",
-                    USE_TMA=tma))
-        yield ("fused_attention", _attention_kernel, dtype, {}, dict(HEAD_DIM=80, BLOCK_D=128, INPUT_PRECISION="ieee"))
+                yield linear_case("linear-tma" if tma else "linear", dtype, config, HAS_BIAS=bias, ACT=act,
+                                  HAS_RESIDUAL=res, HAS_SCALE=not bias, INPUT_PRECISION="ieee", USE_TMA=tma)
+        yield ("fused_attention", _attention_kernel, dtype, {}, dict(HEAD_DIM=80, BLOCK_D=128, INPUT_PRECISION="ieee"),
+               None)
         yield ("patch_embed", _patch_embed_kernel, dtype, {}, dict(
             PATCH=16, HAS_BIAS=True, HAS_PREFIX=True, HAS_POS=True, POS_HAS_PREFIX=dtype != "fp16",
-            INPUT_PRECISION="ieee"))
-        yield ("layer_norm", _layer_norm_kernel, dtype, {"num_warps": 8}, dict(BLOCK_M=4, BLOCK_D=1024))
-        yield ("token_mean", _token_mean_kernel, dtype, {"num_warps": 4}, dict(BLOCK_T=16, BLOCK_D=256))
+            INPUT_PRECISION="ieee"), None)
+        yield ("layer_norm", _layer_norm_kernel, dtype, {"num_warps": 8}, dict(BLOCK_M=4, BLOCK_D=1024), None)
+        yield ("token_mean", _token_mean_kernel, dtype, {"num_warps": 4}, dict(BLOCK_T=16, BLOCK_D=256), None)
     for tma in (False, True):
-        yield ("linear-tma" if tma else "linear", _linear_kernel, "tf32", {}, dict(
-            HAS_BIAS=True, ACT="gelu", HAS_RESIDUAL=True, HAS_SCALE=False, INPUT_PRECISION="tf32", USE_TMA=tma))
-    yield ("fused_attention", _attention_kernel, "tf32", {}, dict(HEAD_DIM=64, BLOCK_D=64, INPUT_PRECISION="tf32"))
+        yield linear_case("linear-tma" if tma else "linear", "tf32", FLOAT32[0], HAS_BIAS=True, ACT="gelu",
+                          HAS_RESIDUAL=True, HAS_SCALE=False, INPUT_PRECISION="tf32", USE_TMA=tma)
+    yield ("fused_attention", _attention_kernel, "tf32", {}, dict(HEAD_DIM=64, BLOCK_D=64, INPUT_PRECISION="tf32"),
+           None)
 
 
 def main() -> None:
-    for name, kernel, dtype, options, constexprs in cases():
-        ptx = compile_kernel(kernel, dtype, options, constexprs)
-        print(f"{name} {dtype} wgmma={ptx.count('wgmma.mma_async')} tma={ptx.count('cp.async.bulk.tensor')}",
-              flush=True)
+    for name, kernel, dtype, options, constexprs, descriptors in cases():
+        ptx = compile_kernel(kernel, dtype, options, constexprs, descriptors)
+        print(f"{name} {dtype} wgmma={ptx.count('wgmma.mma_async')} tma={ptx.count('cp.async.bulk.tensor')} "
+              f"gdc={ptx.count('griddepcontrol.wait')},{ptx.count('griddepcontrol.launch_dependents')}", flush=True)
 
 
 if __name__ == "__main__":

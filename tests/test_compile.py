@@ -1,5 +1,5 @@
-"""Every kernel compiles for the H100 (sm_90); its matrix products use Hopper's wgmma, and linear's
-descriptor path the TMA."""
+"""Every kernel compiles for the H100 (sm_90); its matrix products use Hopper's wgmma, linear's
+descriptor path the TMA, and each waits for the kernel before it (programmatic dependent launch)."""
 
 import subprocess
 import sys
@@ -13,12 +13,16 @@ def test_kernels_compile_for_sm90_with_wgmma():
     assert result.returncode == 0, result.stderr[-5000:]
     counts = {}
     for line in result.stdout.splitlines():
-        name, dtype, wgmma, tma = line.rsplit(" ", 3)
-        counts.setdefault((name, dtype), []).append((int(wgmma.removeprefix("wgmma=")), int(tma.removeprefix("tma="))))
+        name, dtype, *found = line.split(" ")
+        counts.setdefault((name, dtype), []).append([[int(n) for n in f.split("=")[1].split(",")] for f in found])
     assert len(counts) == 21, sorted(counts)
     for (name, dtype), found in counts.items():
         # Tensor-core kernels in 16-bit and tf32 must use wgmma; exact fp32 and row kernels none.
         uses_tensor_cores = name.startswith(("linear", "fused_attention", "patch_embed")) and dtype != "fp32"
-        assert all(w > 0 for w, _ in found) if uses_tensor_cores else all(w == 0 for w, _ in found), (name, dtype, found)
+        assert all(w > 0 for [w], _, _ in found) if uses_tensor_cores else all(w == 0 for [w], _, _ in found), (
+            name, dtype, found)
         # The descriptor path of linear moves its tiles with the TMA (bulk tensor copies); no other does.
-        assert all((t > 0) == (name == "linear-tma") for _, t in found), (name, dtype, found)
+        assert all((t > 0) == (name == "linear-tma") for _, [t], _ in found), (name, dtype, found)
+        # Programmatic dependent launch: every kernel waits for the one before it once, at its start,
+        # and lets the next one launch before its last stores (linear's loop holds that twice).
+        assert all(wait == 1 and launch >= 1 for _, _, [wait, launch] in found), (name, dtype, found)

@@ -15,6 +15,30 @@ _INTERPRET = tl.constexpr(INTERPRET)
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
+try:  # grid dependency control (Triton 3.4+); without it every kernel launches the ordinary way
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:
+    gdc_launch_dependents = gdc_wait = None
+
+
+@triton.jit
+def wait_for_previous_kernel(PDL: tl.constexpr):
+    """First statement of every kernel. With programmatic dependent launch (PDL), a kernel's
+    programs may be scheduled while the previous kernel in the stream is still finishing; each
+    waits here until that kernel is done and its writes are visible. What overlaps is the launch
+    and prologue latency between two kernels: at one image, a tenth of the forward."""
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
+def start_next_kernel(PDL: tl.constexpr):
+    """With PDL: lets the next kernel's programs be scheduled once every program of this one has
+    passed here, each before its last stores. (Letting them launch at the very start was no faster
+    at one image and slower at 32: their programs then sat on SMs the whole kernel.)"""
+    if PDL:
+        gdc_launch_dependents()
+
 
 @triton.jit
 def mma(a, b, acc, INPUT_PRECISION: tl.constexpr):
@@ -102,15 +126,18 @@ def tma_ready(*tensors: torch.Tensor | None) -> bool:
                for t in tensors if t is not None)
 
 
-def use_torch_scratch() -> None:
-    """Have kernels that build TMA descriptors draw their scratch space from PyTorch's allocator
-    (so from the graph pool during CUDA-graph capture). Triton keeps the allocator in a ContextVar,
-    which a new thread starts without, so this runs before each such launch, not once."""
-    triton.set_allocator(_scratch)
+@functools.cache
+def _pdl_supported(index: int | None) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
 
 
-def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    return torch.empty(size, dtype=torch.int8, device="cpu" if INTERPRET else "cuda")
+def pdl(device: torch.device) -> dict:
+    """Launch arguments for programmatic dependent launch: the kernel's PDL and Triton's launch_pdl,
+    on for CUDA devices of compute capability 9.0 and newer (Hopper) unless VIT_TRITON_PDL=0; off
+    under the interpreter."""
+    on = (not INTERPRET and gdc_wait is not None and device.type == "cuda"
+          and os.environ.get("VIT_TRITON_PDL", "1") != "0" and _pdl_supported(device.index))
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 
 @functools.cache

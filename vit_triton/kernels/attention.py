@@ -20,7 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cast, check_device, check_dtype, check_float, check_shape, input_precision, mma, tune
+from ._common import (
+    cast, check_device, check_dtype, check_float, check_shape, input_precision, mma, pdl, start_next_kernel, wait_for_previous_kernel, tune,
+)
 
 _LOG2E = 1.4426950408889634
 TAIL_N = tl.constexpr(16)  # the smallest key block a 16-bit tensor-core product takes (k = 16)
@@ -70,9 +72,10 @@ def _attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr,
     T, H, qk_scale,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, PDL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     bh = tl.program_id(0)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
@@ -98,6 +101,7 @@ def _attention_kernel(
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_base, v_base, start, T, sk_t, sv_t, qk_scale, offs_d, mask_d,
                                 INPUT_PRECISION, TAIL_N, True)
 
+    start_next_kernel(PDL)
     o = acc / l_i[:, None]
     o_ptrs = o_ptr + b * so_b + h * so_h + offs_m[:, None] * so_t + offs_d[None, :]
     tl.store(o_ptrs, cast(o, o_ptr.dtype.element_ty), mask=(offs_m < T)[:, None] & mask_d[None, :])
@@ -145,6 +149,6 @@ def fused_attention(
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         HEAD_DIM=Dh, BLOCK_D=max(16, triton.next_power_of_2(Dh)),
-        INPUT_PRECISION=input_precision(q.dtype, allow_tf32),
+        INPUT_PRECISION=input_precision(q.dtype, allow_tf32), **pdl(q.device),
     )
     return out

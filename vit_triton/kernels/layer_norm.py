@@ -13,15 +13,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cast, check_device, check_dtype, check_float, check_shape
+from ._common import cast, check_device, check_dtype, check_float, check_shape, pdl, start_next_kernel, wait_for_previous_kernel
 
 
 @triton.jit
 def _layer_norm_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
     M, D, stride_xm, stride_ym, eps,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
     mask_d = cols < D
@@ -34,6 +35,7 @@ def _layer_norm_kernel(
     w = tl.load(w_ptr + cols, mask=mask_d, other=0.0).to(tl.float32)
     b = tl.load(b_ptr + cols, mask=mask_d, other=0.0).to(tl.float32)
     y = diff * rstd[:, None] * w[None, :] + b[None, :]
+    start_next_kernel(PDL)
     tl.store(y_ptr + rows * stride_ym + cols[None, :], cast(y, y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -69,6 +71,6 @@ def layer_norm(
     _layer_norm_kernel[(triton.cdiv(M, block_m),)](
         x, weight.contiguous(), bias.contiguous(), out,
         M, D, x.stride(0), out.stride(0), eps,
-        BLOCK_M=block_m, BLOCK_D=block_d, num_warps=num_warps,
+        BLOCK_M=block_m, BLOCK_D=block_d, num_warps=num_warps, **pdl(x.device),
     )
     return out

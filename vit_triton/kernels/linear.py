@@ -10,22 +10,31 @@ then the residual add, then the scale, so no elementwise kernel follows the GEMM
 Schedule: output tiles in grouped order; a persistent config launches one (or two) programs per
 SM, each walking tiles pid, pid + grid, ... with the tile and K loops flattened, so the next
 tile's loads are in flight during this tile's epilogue. When every matrix is 16-byte aligned
-(base and row stride) and M is at least TMA_MIN_ROWS, tiles move through TMA descriptors, which
-zero-fill and clip at the edges; otherwise through masked pointer loads and stores.
+(base and row stride) tiles move through TMA descriptors, which zero-fill and clip at the edges;
+otherwise through masked pointer loads and stores. The descriptors are built on the host and
+passed as kernel parameters: built in the kernel, each program spent 2-3 us on them before its
+first load, a third of a GEMM's time at one image (benchmarks/NOTES.md).
+
+The launch config (tile, warps, stages, persistence) is chosen per shape by timing a short list of
+candidates (_tune.py), since the descriptors depend on it.
 
 Cost: 2*M*N*K FLOPs; at least (M*K + N*K + M*N [+ M*N residual]) elements moved (+ N bias).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._common import (
-    INTERPRET, cast, check_device, check_dtype, check_float, check_shape, input_precision, mma, num_programs,
-    tma_ready, tune, use_torch_scratch,
+    INTERPRET, cast, check_device, check_dtype, check_float, check_shape, input_precision, mma, num_programs, pdl,
+    start_next_kernel, tma_ready, wait_for_previous_kernel,
 )
+from ._tune import Config, Tuner
 
 ACTIVATIONS = ("none", "gelu", "gelu_tanh", "quick_gelu")
 
@@ -54,38 +63,35 @@ def _activation(x, ACT: tl.constexpr):
     return x
 
 
-def _config(bm, bn, bk, warps, stages, persistent=1):
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "PERSISTENT": persistent},
-                         num_warps=warps, num_stages=stages)
-
-
-# Measured on an H100 at ViT-S/B/L shapes (scripts/sweep_kernels.py, benchmarks/NOTES.md): persistent
-# TMA tiles win from a few thousand rows up; below that, small tiles that give every SM work.
+# Candidates by dtype and row count, from sweeps on an H100 and an H200 at ViT-S/B/L shapes
+# (scripts/sweep_kernels.py, benchmarks/NOTES.md). Each list is short: every candidate of a new
+# shape is compiled and timed once.
 LARGE_M = [
-    _config(128, 256, 64, 8, 3), _config(128, 128, 64, 8, 5), _config(128, 128, 64, 4, 4),
-    _config(128, 128, 128, 8, 3), _config(256, 128, 64, 8, 3), _config(128, 128, 64, 8, 4),
+    Config(128, 256, 64, 8, 3), Config(128, 128, 64, 8, 5), Config(128, 128, 64, 4, 4),
+    Config(128, 128, 128, 8, 3), Config(256, 128, 64, 8, 3), Config(128, 128, 64, 8, 4),
 ]
-SMALL_M = [
-    _config(64, 128, 128, 4, 3), _config(64, 128, 128, 4, 3, 0), _config(64, 64, 64, 4, 4, 0),
-    _config(64, 64, 128, 4, 4, 0), _config(64, 32, 128, 4, 4, 0), _config(64, 32, 128, 4, 4, 2),
-    _config(128, 128, 64, 4, 4), _config(128, 128, 64, 8, 5), _config(64, 256, 64, 4, 4),
+SMALL_M = [   # a few thousand rows (ViT-B/16, 8 images): 128-row tiles, about one wave
+    Config(128, 256, 64, 8, 3), Config(128, 128, 64, 8, 4), Config(128, 128, 64, 4, 4),
+    Config(128, 128, 64, 4, 4, 0), Config(64, 256, 64, 4, 4),
 ]
-FLOAT32 = [_config(128, 128, 32, 8, 3), _config(128, 128, 32, 4, 4), _config(64, 128, 32, 4, 4),
-           _config(64, 64, 32, 4, 4, 0)]
-SMALL_M_ROWS = 2048
-# Fewer rows than this take the pointer path even when aligned: each program builds its TMA
-# descriptors first, a fixed cost the copies do not earn back on a single image's 197 tokens (ViT-B
-# batch 1: 0.664 -> 0.619 ms a forward); at 1576 rows (batch 8) the TMA path is 1.26x faster.
-TMA_MIN_ROWS = 256
+TINY_M = [    # one or two images: 64-row tiles, narrow enough to give most SMs a tile
+    Config(64, 128, 64, 4, 4), Config(64, 64, 128, 4, 4, 0), Config(64, 32, 128, 4, 4),
+]
+FLOAT32 = [Config(128, 128, 32, 8, 3), Config(128, 128, 32, 4, 4), Config(64, 128, 32, 4, 4),
+           Config(64, 64, 32, 4, 4, 0)]
+TINY_M_ROWS, SMALL_M_ROWS = 1024, 2048   # between 512 and 1024 rows both tiny and small tiles compete
+INTERPRETER = Config(32, 32, 32, 4, 1)
 
 
-def _candidates(configs, named_args, **kwargs):
-    """The list made for this dtype and row count: fewer compilations on each new shape."""
+def _candidates(M: int, dtype: torch.dtype) -> list[Config]:
+    """The list for this dtype and row count."""
     if INTERPRET:
-        return configs
-    if named_args["x_ptr"].dtype == torch.float32:
+        return [INTERPRETER]
+    if dtype == torch.float32:
         return FLOAT32
-    return SMALL_M if named_args["M"] <= SMALL_M_ROWS else LARGE_M
+    if M <= TINY_M_ROWS:
+        return TINY_M if M <= TINY_M_ROWS // 2 else TINY_M + SMALL_M
+    return SMALL_M if M <= SMALL_M_ROWS else LARGE_M
 
 
 @triton.jit
@@ -99,30 +105,18 @@ def _tile_coords(tile, num_m, num_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
-@triton.autotune(
-    configs=tune(LARGE_M + SMALL_M + FLOAT32, _config(32, 32, 32, 4, 1)),
-    key=["M", "N", "K", "HAS_BIAS", "ACT", "HAS_RESIDUAL", "HAS_SCALE", "INPUT_PRECISION", "USE_TMA"],
-    prune_configs_by={"early_config_prune": _candidates},
-    cache_results=True,
-)
 @triton.jit
 def _linear_kernel(
-    x_ptr, w_ptr, b_ptr, r_ptr, y_ptr,
+    x, w, b_ptr, r, y,   # x, w, r, y: TMA descriptors if USE_TMA, else pointers
     M, N, K,
     stride_xm, stride_wn, stride_rm, stride_ym, scale,
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_SCALE: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, PDL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PERSISTENT: tl.constexpr,  # read by the launcher only: programs per SM, or 0 for one per tile
 ):
+    wait_for_previous_kernel(PDL)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
-    if USE_TMA:
-        x_desc = tl.make_tensor_descriptor(x_ptr, [M, K], [stride_xm, 1], [BLOCK_M, BLOCK_K])
-        w_desc = tl.make_tensor_descriptor(w_ptr, [N, K], [stride_wn, 1], [BLOCK_N, BLOCK_K])
-        y_desc = tl.make_tensor_descriptor(y_ptr, [M, N], [stride_ym, 1], [BLOCK_M, BLOCK_N])
-        if HAS_RESIDUAL:
-            r_desc = tl.make_tensor_descriptor(r_ptr, [M, N], [stride_rm, 1], [BLOCK_M, BLOCK_N])
     offs_k = tl.arange(0, BLOCK_K)
     # Each program walks tiles pid, pid + grid, ...; flattening the two loops lets the pipeliner
     # issue the next tile's first loads while this tile's epilogue runs.
@@ -135,16 +129,18 @@ def _linear_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, tl.cdiv(K, BLOCK_K)):
             if USE_TMA:  # the TMA zero-fills what lies outside [M, K] and [N, K]
-                a = x_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
-                b = w_desc.load([pid_n * BLOCK_N, k * BLOCK_K]).T
+                a = x.load([pid_m * BLOCK_M, k * BLOCK_K])
+                bt = w.load([pid_n * BLOCK_N, k * BLOCK_K]).T
             else:
                 cols = k * BLOCK_K + offs_k
-                a = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + cols[None, :],
+                a = tl.load(x + offs_m[:, None].to(tl.int64) * stride_xm + cols[None, :],
                             mask=mask_m[:, None] & (cols[None, :] < K), other=0.0)
-                b = tl.load(w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + cols[:, None],
-                            mask=mask_n[None, :] & (cols[:, None] < K), other=0.0)
-            acc = mma(a, b, acc, INPUT_PRECISION)
+                bt = tl.load(w + offs_n[None, :].to(tl.int64) * stride_wn + cols[:, None],
+                             mask=mask_n[None, :] & (cols[:, None] < K), other=0.0)
+            acc = mma(a, bt, acc, INPUT_PRECISION)
 
+        if tile + tl.num_programs(0) >= num_m * num_n:  # this program's last tile
+            start_next_kernel(PDL)
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         acc = _activation(acc, ACT)
@@ -152,16 +148,19 @@ def _linear_kernel(
         rows = offs_m[:, None].to(tl.int64)
         if HAS_RESIDUAL:
             if USE_TMA:
-                acc += r_desc.load([pid_m * BLOCK_M, pid_n * BLOCK_N]).to(tl.float32)
+                acc += r.load([pid_m * BLOCK_M, pid_n * BLOCK_N]).to(tl.float32)
             else:
-                acc += tl.load(r_ptr + rows * stride_rm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+                acc += tl.load(r + rows * stride_rm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_SCALE:
             acc *= scale
-        y = cast(acc, y_ptr.dtype.element_ty)
         if USE_TMA:  # the store is clipped to [M, N]
-            y_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], y)
+            y.store([pid_m * BLOCK_M, pid_n * BLOCK_N], cast(acc, y.dtype))
         else:
-            tl.store(y_ptr + rows * stride_ym + offs_n[None, :], y, mask=mask)
+            tl.store(y + rows * stride_ym + offs_n[None, :], cast(acc, y.dtype.element_ty), mask=mask)
+
+
+# The tuner's disk cache is keyed by this file: a change to the kernel or the candidates starts afresh.
+_TUNER = Tuner("linear", Path(__file__).read_text())
 
 
 def linear(
@@ -206,21 +205,34 @@ def linear(
     if out is None:
         out = torch.empty((M, N), device=x.device, dtype=x.dtype)
 
-    programs = num_programs(x.device)
-    use_tma = M >= TMA_MIN_ROWS and tma_ready(x, weight, residual, out)
-    if use_tma:
-        use_torch_scratch()
+    flags = dict(HAS_BIAS=bias is not None, ACT=activation, HAS_RESIDUAL=residual is not None,
+                 HAS_SCALE=scale != 1.0, INPUT_PRECISION=input_precision(x.dtype, allow_tf32),
+                 USE_TMA=tma_ready(x, weight, residual, out))
 
-    def grid(meta):
-        tiles = triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
-        return (min(tiles, programs * meta["PERSISTENT"]) if meta["PERSISTENT"] else tiles,)
+    def launch(config: Config) -> None:
+        launch_linear(config, x, weight, bias, residual, out, scale, flags)
 
-    _linear_kernel[grid](
-        x, weight, bias, residual, out,
-        M, N, K,
-        x.stride(0), weight.stride(0),
-        residual.stride(0) if residual is not None else 0, out.stride(0), scale,
-        HAS_BIAS=bias is not None, ACT=activation, HAS_RESIDUAL=residual is not None, HAS_SCALE=scale != 1.0,
-        INPUT_PRECISION=input_precision(x.dtype, allow_tf32), USE_TMA=use_tma,
-    )
+    key = (M, N, K, str(x.dtype), *flags.values())
+    launch(_TUNER.pick(key, _candidates(M, x.dtype), launch))
     return out
+
+
+def launch_linear(config: Config, x, weight, bias, residual, out, scale: float, flags: dict) -> None:
+    """One launch of the kernel with this config (checked inputs, flags as linear makes them)."""
+    M, K = x.shape
+    N = weight.shape[0]
+    bm, bn, bk, warps, stages, persistent = config
+    if flags["USE_TMA"]:
+        operands = (TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn, bk]),
+                    residual if residual is None else TensorDescriptor.from_tensor(residual, [bm, bn]),
+                    TensorDescriptor.from_tensor(out, [bm, bn]))
+    else:
+        operands = (x, weight, residual, out)
+    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    grid = (min(tiles, num_programs(x.device) * persistent) if persistent else tiles,)
+    x_arg, w_arg, r_arg, y_arg = operands
+    _linear_kernel[grid](
+        x_arg, w_arg, bias, r_arg, y_arg,
+        M, N, K, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), scale,
+        **flags, **pdl(x.device), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages,
+    )

@@ -17,7 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cast, check_device, check_dtype, check_float, check_shape, input_precision, mma, tune
+from ._common import (
+    cast, check_device, check_dtype, check_float, check_shape, input_precision, mma, pdl, start_next_kernel, wait_for_previous_kernel, tune,
+)
 
 
 def _config(bm, bn, bk, warps, stages):
@@ -42,9 +44,10 @@ def _patch_embed_kernel(
     B, C, D, K, NUM_PATCHES, GRID_W, NUM_PREFIX,
     s_pb, s_pc, s_ph, s_pw, stride_wd, s_ob, s_ot,
     PATCH: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_PREFIX: tl.constexpr, HAS_POS: tl.constexpr, POS_HAS_PREFIX: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, PDL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     pid_m = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < D
@@ -89,6 +92,7 @@ def _patch_embed_kernel(
             acc += tl.load(pos_ptr + j[:, None] * D + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
         out_row = b.to(tl.int64) * s_ob + j * s_ot
         tl.store(out_ptr + out_row[:, None] + offs_n[None, :], cast(acc, out_ptr.dtype.element_ty), mask=mask)
+    start_next_kernel(PDL)
 
 
 def patch_embed(
@@ -154,6 +158,6 @@ def patch_embed(
         weight.stride(0), out.stride(0), out.stride(1),
         PATCH=S, HAS_BIAS=bias is not None, HAS_PREFIX=num_prefix > 0, HAS_POS=pos_embed is not None,
         POS_HAS_PREFIX=pos_embed is not None and pos_embed.shape[0] == T and num_prefix > 0,
-        INPUT_PRECISION=input_precision(weight.dtype, allow_tf32),
+        INPUT_PRECISION=input_precision(weight.dtype, allow_tf32), **pdl(weight.device),
     )
     return out

@@ -12,14 +12,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cast, check_device, check_float
+from ._common import cast, check_device, check_float, pdl, start_next_kernel, wait_for_previous_kernel
 
 
 @triton.jit
 def _token_mean_kernel(
     x_ptr, y_ptr, T, D, start, s_xb, s_xt, s_yb,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     b = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     toks = tl.arange(0, BLOCK_T)
@@ -28,6 +29,7 @@ def _token_mean_kernel(
         t = t0 + toks
         mask = (t < T)[:, None] & (cols < D)[None, :]
         acc += tl.load(x_ptr + b * s_xb + t[:, None] * s_xt + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    start_next_kernel(PDL)
     y = tl.sum(acc, axis=0) / (T - start)
     tl.store(y_ptr + b * s_yb + cols, cast(y, y_ptr.dtype.element_ty), mask=cols < D)
 
@@ -49,6 +51,6 @@ def token_mean(x: torch.Tensor, start: int = 0, *, out: torch.Tensor | None = No
     block_d = min(256, triton.next_power_of_2(D))
     _token_mean_kernel[(B, triton.cdiv(D, block_d))](
         x, out, T, D, start, x.stride(0), x.stride(1), out.stride(0),
-        BLOCK_T=16, BLOCK_D=block_d, num_warps=4,
+        BLOCK_T=16, BLOCK_D=block_d, num_warps=4, **pdl(x.device),
     )
     return out

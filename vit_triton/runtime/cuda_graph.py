@@ -2,7 +2,7 @@
 
 An eager forward of ViT-B issues 87 kernel launches; at small batch the GPU waits on the Python
 that issues them. Captured once per (batch, dtype), after warm-up calls that run Triton's
-autotuning outside the capture, the forward becomes one graph launch reading a static input
+tuning outside the capture, the forward becomes one graph launch reading a static input
 buffer. Graphs share one memory pool, so replays are serialised by a lock: a runner is safe to
 call from several threads of a serving loop.
 """

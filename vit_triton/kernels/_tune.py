@@ -1,0 +1,109 @@
+"""Choosing a launch config by timing the candidates, remembered in memory and on disk.
+
+Triton's autotuner cannot keep its choices on disk for a kernel whose arguments depend on the
+config (it refuses to cache configs with a pre_hook), and linear's do: its TMA descriptors are
+built on the host with the config's tile shape.
+So linear's launcher times its candidates itself, through this small tuner:
+
+- each candidate is launched and timed from CUDA-graph replays (triton.testing.do_bench_cudagraph),
+  which times the GPU work alone: at a few hundred rows a launch costs more in Python than on
+  the GPU, and host-timed loops would rank the candidates by noise;
+- the choice is kept per key in memory and in a JSON file under $VIT_TRITON_CACHE_DIR (default
+  ~/.cache/vit-triton), one file per kernel source, candidate list, GPU and Triton version, so a
+  second process starts without timing anything;
+- inside a CUDA-graph capture nothing can be timed: an unseen key takes the first candidate
+  (vit_triton.compile warms up before it captures, so its graphs hold tuned launches).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.testing
+
+
+class Config(NamedTuple):
+    """One launch of a tiled kernel: tile shape, warps, pipeline stages and programs per SM (0: one
+    per tile)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+    persistent: int = 1
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("VIT_TRITON_CACHE_DIR", Path.home() / ".cache" / "vit-triton"))
+
+
+class Tuner:
+    """Picks the fastest Config per key for one kernel; `source` is the kernel's source text (a change
+    to it starts a new cache file); `timer(fn)` gives fn's time (default: CUDA-graph replays, ms)."""
+
+    def __init__(self, name: str, source: str, timer: Callable[[Callable[[], object]], float] | None = None) -> None:
+        self.name = name
+        self._timer = timer or (lambda fn: triton.testing.do_bench_cudagraph(fn, rep=10, return_mode="median"))
+        self._source_hash = hashlib.sha256(source.encode()).hexdigest()[:16]
+        self._picks: dict[str, Config] = {}
+        self._lock = threading.Lock()
+
+    def pick(self, key: tuple, configs: Sequence[Config], launch: Callable[[Config], object]) -> Config:
+        """The fastest of `configs` for `key`; `launch(config)` runs the kernel once with that config."""
+        if len(configs) == 1:
+            return configs[0]
+        with self._lock:
+            path = self._file(configs)
+            name = repr(key)
+            memo = f"{path.name}:{name}"
+            if memo in self._picks:
+                return self._picks[memo]
+            saved = self._read(path).get(name)
+            if saved is not None and Config(*saved) in configs:
+                self._picks[memo] = Config(*saved)
+                return self._picks[memo]
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                return configs[0]
+            times = {}
+            for config in configs:
+                try:
+                    times[config] = self._timer(lambda: launch(config))
+                except triton.runtime.errors.OutOfResources:   # too much shared memory for this GPU
+                    continue
+            best = min(times, key=times.get)
+            self._picks[memo] = best
+            self._write(path, name, best)
+            return best
+
+    def _file(self, configs: Sequence[Config]) -> Path:
+        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        ident = "|".join([self._source_hash, triton.__version__, device, repr(list(configs))])
+        return cache_dir() / f"{self.name}-{hashlib.sha256(ident.encode()).hexdigest()[:20]}.json"
+
+    @staticmethod
+    def _read(path: Path) -> dict:
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def _write(self, path: Path, name: str, best: Config) -> None:
+        """Adds one pick to the file, written whole to a temporary name and renamed into place."""
+        picks = self._read(path)
+        picks[name] = list(best)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+            tmp.write_text(json.dumps(picks, indent=0))
+            os.replace(tmp, path)
+        except OSError:   # a read-only home: the pick is still kept in memory
+            pass
