@@ -54,19 +54,24 @@ class Tuner:
         self.name = name
         self._timer = timer or (lambda fn: triton.testing.do_bench_cudagraph(fn, rep=10, return_mode="median"))
         self._source_hash = hashlib.sha256(source.encode()).hexdigest()[:16]
-        self._picks: dict[str, Config] = {}
+        self._picks: dict[tuple, Config] = {}
         self._lock = threading.Lock()
 
-    def pick(self, key: tuple, configs: Sequence[Config], launch: Callable[[Config], object]) -> Config:
-        """The fastest of `configs` for `key`; `launch(config)` runs the kernel once with that config."""
+    def pick(self, key: tuple, configs: Sequence[Config], launch: Callable[[Config], object],
+             device: torch.device | None = None) -> Config:
+        """The fastest of `configs` for `key` on `device`; `launch(config)` runs the kernel once with
+        that config."""
         if len(configs) == 1:
             return configs[0]
+        memo = (key, tuple(configs), device)
+        pick = self._picks.get(memo)   # the common case, on every launch: no lock, no file
+        if pick is not None:
+            return pick
         with self._lock:
-            path = self._file(configs)
-            name = repr(key)
-            memo = f"{path.name}:{name}"
             if memo in self._picks:
                 return self._picks[memo]
+            path = self._file(configs, device)
+            name = repr(key)
             saved = self._read(path).get(name)
             if saved is not None and Config(*saved) in configs:
                 self._picks[memo] = Config(*saved)
@@ -84,9 +89,9 @@ class Tuner:
             self._write(path, name, best)
             return best
 
-    def _file(self, configs: Sequence[Config]) -> Path:
-        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-        ident = "|".join([self._source_hash, triton.__version__, device, repr(list(configs))])
+    def _file(self, configs: Sequence[Config], device: torch.device | None) -> Path:
+        gpu = torch.cuda.get_device_name(device) if device is not None and device.type == "cuda" else "cpu"
+        ident = "|".join([self._source_hash, triton.__version__, gpu, repr(list(configs))])
         return cache_dir() / f"{self.name}-{hashlib.sha256(ident.encode()).hexdigest()[:20]}.json"
 
     @staticmethod

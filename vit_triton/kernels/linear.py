@@ -213,7 +213,7 @@ def linear(
         launch_linear(config, x, weight, bias, residual, out, scale, flags)
 
     key = (M, N, K, str(x.dtype), *flags.values())
-    launch(_TUNER.pick(key, _candidates(M, x.dtype), launch))
+    launch(_TUNER.pick(key, _candidates(M, x.dtype), launch, x.device))
     return out
 
 
