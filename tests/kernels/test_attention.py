@@ -91,8 +91,10 @@ def test_every_element_is_written_in_place(dtype):
     (dict(v=empty(2, 5, 32, 2).transpose(2, 3)), "v must have unit stride along the head dim, got strides (320, 64, 1, 2)"),
     (dict(out=empty(2, 5, 32)), "out must have shape (2, 5, 2, 32), got (2, 5, 32)"),
     (dict(out=empty(2, 5, 2, 32, dtype=torch.float16)), "out must be torch.float32, got torch.float16"),
+    (dict(scale=0.0), "scale must be positive, got 0.0"),
+    (dict(scale=-0.125), "scale must be positive, got -0.125"),
 ])
 def test_bad_input(change, message):
-    args = dict(zip("qkv", qkv(2, 5, 2, 32, torch.float32)), out=None) | change
+    args = dict(zip("qkv", qkv(2, 5, 2, 32, torch.float32)), out=None, scale=None) | change
     with raises_value_error(message):
-        fused_attention(args["q"], args["k"], args["v"], out=args["out"])
+        fused_attention(args["q"], args["k"], args["v"], out=args["out"], scale=args["scale"])

@@ -68,6 +68,31 @@ def _round_to_tf32(x):
 
 
 @triton.jit
+def exp2(x):
+    """2^x from one SFU instruction (ex2.approx.ftz: relative error below 2^-22, results under 2^-126
+    flushed to zero). tl.exp2 adds a compare and two multiplies around it to keep denormals, which
+    costs epilogues and softmaxes that evaluate it once an element. Exact under the interpreter."""
+    if _INTERPRET:
+        y = tl.exp2(x)
+    else:
+        y = tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+    return y
+
+
+@triton.jit
+def reciprocal(x):
+    """1/x from one SFU instruction (rcp.approx.ftz: within 1 ulp; 0 for |x| above 2^126), where a
+    division costs range checks and scalings around it. Exact under the interpreter."""
+    if _INTERPRET:
+        y = 1.0 / x
+    else:
+        y = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+    return y
+
+
+@triton.jit
 def cast(x, dtype: tl.constexpr):
     """x.to(dtype), rounding to nearest even as the GPU does.
 

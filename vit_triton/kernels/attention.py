@@ -21,7 +21,8 @@ import triton
 import triton.language as tl
 
 from ._common import (
-    cast, check_device, check_dtype, check_float, check_shape, input_precision, mma, pdl, start_next_kernel, wait_for_previous_kernel, tune,
+    cast, check_device, check_dtype, check_float, check_shape, exp2, input_precision, mma, pdl, start_next_kernel,
+    tune, wait_for_previous_kernel,
 )
 
 _LOG2E = 1.4426950408889634
@@ -41,12 +42,13 @@ def _attend(acc, m_i, l_i, q, k_base, v_base, start, T, sk_t, sv_t, qk_scale, of
         k_mask = mask_d[:, None]
         v_mask = mask_d[None, :]
     k = tl.load(k_base + offs_n[None, :] * sk_t + offs_d[:, None], mask=k_mask, other=0.0)
-    s = mma(q, k, tl.zeros((q.shape[0], BLOCK), dtype=tl.float32), INPUT_PRECISION) * qk_scale
+    s = mma(q, k, tl.zeros((q.shape[0], BLOCK), dtype=tl.float32), INPUT_PRECISION)
     if MASKED:
         s = tl.where(valid_n[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    p = tl.math.exp2(s - m_new[:, None])
-    alpha = tl.math.exp2(m_i - m_new)
+    # The scale (> 0) is applied to the row max, and to each score inside the exponent's FMA.
+    m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
+    p = exp2(s * qk_scale - m_new[:, None])
+    alpha = exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v = tl.load(v_base + offs_n[:, None] * sv_t + offs_d[None, :], mask=v_mask, other=0.0)
     acc = mma(cast(p, v.dtype), v, acc * alpha[:, None], INPUT_PRECISION)
@@ -118,7 +120,7 @@ def fused_attention(
 ) -> torch.Tensor:
     """softmax(q @ k^T * scale) @ v for q, k, v [B, T, H, Dh]; returns [B, T, H, Dh] contiguous.
 
-    scale defaults to Dh ** -0.5. Head dims from 16 to 256 are accepted.
+    scale (positive) defaults to Dh ** -0.5. Head dims from 16 to 256 are accepted.
     """
     check_device(q, k, v, out)
     check_float("q", q)
@@ -136,6 +138,8 @@ def fused_attention(
     if out is None:
         out = torch.empty((B, T, H, Dh), device=q.device, dtype=q.dtype)
     scale = Dh ** -0.5 if scale is None else scale
+    if not scale > 0:
+        raise ValueError(f"scale must be positive, got {scale}")
 
     def grid(meta):
         # B*H on axis 0, which allows 2^31 - 1 programs (axis 1 allows 65535).

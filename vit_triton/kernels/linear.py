@@ -31,35 +31,39 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._common import (
-    INTERPRET, cast, check_device, check_dtype, check_float, check_shape, input_precision, mma, num_programs, pdl,
-    start_next_kernel, tma_ready, wait_for_previous_kernel,
+    INTERPRET, cast, check_device, check_dtype, check_float, check_shape, exp2, input_precision, mma, num_programs,
+    pdl, reciprocal, start_next_kernel, tma_ready, wait_for_previous_kernel,
 )
 from ._tune import Config, Tuner
 
 ACTIVATIONS = ("none", "gelu", "gelu_tanh", "quick_gelu")
 
-_SQRT_HALF = tl.constexpr(0.7071067811865476)
-_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
+_LOG2E = 1.4426950408889634
+_GELU_P = tl.constexpr(0.3275911 * 0.7071067811865476)       # A&S p, times 1/sqrt(2) for z = |x|/sqrt(2)
+_MINUS_HALF_LOG2E = tl.constexpr(-0.5 * _LOG2E)                # exp(-z^2) = 2^(-x^2 log2(e) / 2)
+_GELU_TANH_A = tl.constexpr(-2.0 * 0.7978845608028654 * _LOG2E)  # exp(-2u) = 2^(x (A + B x^2))
+_GELU_TANH_B = tl.constexpr(-2.0 * 0.7978845608028654 * 0.044715 * _LOG2E)
+_QUICK_GELU_A = tl.constexpr(-1.702 * _LOG2E)
 
 
 @triton.jit
 def _activation(x, ACT: tl.constexpr):
+    """The activation on fp32 x, from single SFU instructions (exp2, reciprocal) and FMAs: evaluated
+    once an element while no MMA runs, so each instruction shows at K = 768 (benchmarks/NOTES.md)."""
     if ACT == "gelu":
-        # x * Phi(x). Phi from erfc(z) = poly(t) * exp(-z^2), t = 1 / (1 + p z), z = |x| / sqrt(2) >= 0
-        # (Abramowitz & Stegun 7.1.26, |error| < 1.5e-7): two SFU ops and a few FMAs where
-        # libdevice's erf costs several times that, which the epilogue of a K=768 GEMM notices.
-        z = tl.abs(x) * _SQRT_HALF
-        t = tl.fdiv(1.0, 1.0 + 0.3275911 * z)
-        poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
-        tail = 0.5 * poly * tl.exp(-z * z)  # Phi(-|x|)
-        x = x * tl.where(x >= 0, 1.0 - tail, tail)
+        # x * Phi(x). Phi(-|x|) = erfc(z) / 2 = poly(t) * exp(-z^2), t = 1 / (1 + p z), z = |x| / sqrt(2)
+        # (Abramowitz & Stegun 7.1.26, |error| < 1.5e-7; the 1/2 is folded into the coefficients).
+        t = reciprocal(1.0 + _GELU_P * tl.abs(x))
+        poly = t * (0.127414796 + t * (-0.142248368 + t * (0.7107068705 + t * (-0.7265760135 + t * 0.5307027145))))
+        tail = poly * exp2(x * x * _MINUS_HALF_LOG2E)  # Phi(-|x|)
+        # x (1 - tail) for x >= 0, x tail below: one FMA, no select (NaN at +-inf, as PyTorch's)
+        x = tl.maximum(x, 0.0) - tl.abs(x) * tail
     elif ACT == "gelu_tanh":
-        # 0.5x(1 + tanh(u)) = x * sigmoid(2u)
-        u = _SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)
-        x = tl.fdiv(x, 1.0 + tl.exp(-2.0 * u))
+        # 0.5x(1 + tanh(u)) = x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3)
+        x = x * reciprocal(1.0 + exp2(x * (_GELU_TANH_A + _GELU_TANH_B * x * x)))
     elif ACT == "quick_gelu":
         # x * sigmoid(1.702x)
-        x = tl.fdiv(x, 1.0 + tl.exp(-1.702 * x))
+        x = x * reciprocal(1.0 + exp2(x * _QUICK_GELU_A))
     return x
 
 
