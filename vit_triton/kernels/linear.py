@@ -81,8 +81,8 @@ SMALL_M = [   # a few thousand rows (ViT-B/16, 8 images): 128-row tiles, about o
 TINY_M = [    # one or two images: 64-row tiles, narrow enough to give most SMs a tile
     Config(64, 128, 64, 4, 4), Config(64, 64, 128, 4, 4, 0), Config(64, 32, 128, 4, 4),
 ]
-FLOAT32 = [Config(128, 128, 32, 8, 3), Config(128, 128, 32, 4, 4), Config(64, 128, 32, 4, 4),
-           Config(64, 64, 32, 4, 4, 0)]
+FLOAT32 = [Config(128, 128, 32, 8, 3), Config(128, 128, 64, 8, 3), Config(128, 128, 32, 4, 4),
+           Config(64, 128, 32, 4, 4), Config(64, 64, 32, 4, 4, 0)]   # the second: no room for a residual tile
 TINY_M_ROWS, SMALL_M_ROWS = 1024, 2048   # between 512 and 1024 rows both tiny and small tiles compete
 INTERPRETER = Config(32, 32, 32, 4, 1)
 
