@@ -14,6 +14,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 _INTERPRET = tl.constexpr(INTERPRET)
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+LOG2E = 1.4426950408889634   # e^x = 2^(x log2(e)): kernels exponentiate with exp2
 
 try:  # grid dependency control (Triton 3.4+); without it every kernel launches the ordinary way
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait

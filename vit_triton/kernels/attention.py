@@ -21,11 +21,10 @@ import triton
 import triton.language as tl
 
 from ._common import (
-    cast, check_device, check_dtype, check_float, check_shape, exp2, input_precision, mma, pdl, start_next_kernel,
-    tune, wait_for_previous_kernel,
+    LOG2E, cast, check_device, check_dtype, check_float, check_shape, exp2, input_precision, mma, pdl,
+    start_next_kernel, tune, wait_for_previous_kernel,
 )
 
-_LOG2E = 1.4426950408889634
 TAIL_N = tl.constexpr(16)  # the smallest key block a 16-bit tensor-core product takes (k = 16)
 
 
@@ -147,7 +146,7 @@ def fused_attention(
 
     _attention_kernel[grid](
         q, k, v, out,
-        T, H, scale * _LOG2E,
+        T, H, scale * LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),

@@ -13,7 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cast, check_device, check_dtype, check_float, check_shape, pdl, start_next_kernel, wait_for_previous_kernel
+from ._common import (
+    cast, check_device, check_dtype, check_float, check_shape, pdl, start_next_kernel, wait_for_previous_kernel,
+)
 
 
 @triton.jit

@@ -31,19 +31,18 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._common import (
-    INTERPRET, cast, check_device, check_dtype, check_float, check_shape, exp2, input_precision, mma, num_programs,
-    pdl, reciprocal, start_next_kernel, tma_ready, wait_for_previous_kernel,
+    INTERPRET, LOG2E, cast, check_device, check_dtype, check_float, check_shape, exp2, input_precision, mma,
+    num_programs, pdl, reciprocal, start_next_kernel, tma_ready, wait_for_previous_kernel,
 )
 from ._tune import Config, Tuner
 
 ACTIVATIONS = ("none", "gelu", "gelu_tanh", "quick_gelu")
 
-_LOG2E = 1.4426950408889634
 _GELU_P = tl.constexpr(0.3275911 * 0.7071067811865476)       # A&S p, times 1/sqrt(2) for z = |x|/sqrt(2)
-_MINUS_HALF_LOG2E = tl.constexpr(-0.5 * _LOG2E)                # exp(-z^2) = 2^(-x^2 log2(e) / 2)
-_GELU_TANH_A = tl.constexpr(-2.0 * 0.7978845608028654 * _LOG2E)  # exp(-2u) = 2^(x (A + B x^2))
-_GELU_TANH_B = tl.constexpr(-2.0 * 0.7978845608028654 * 0.044715 * _LOG2E)
-_QUICK_GELU_A = tl.constexpr(-1.702 * _LOG2E)
+_MINUS_HALF_LOG2E = tl.constexpr(-0.5 * LOG2E)                # exp(-z^2) = 2^(-x^2 log2(e) / 2)
+_GELU_TANH_A = tl.constexpr(-2.0 * 0.7978845608028654 * LOG2E)  # exp(-2u) = 2^(x (A + B x^2))
+_GELU_TANH_B = tl.constexpr(-2.0 * 0.7978845608028654 * 0.044715 * LOG2E)
+_QUICK_GELU_A = tl.constexpr(-1.702 * LOG2E)
 
 
 @triton.jit
@@ -227,14 +226,14 @@ def launch_linear(config: Config, x, weight, bias, residual, out, scale: float, 
     N = weight.shape[0]
     bm, bn, bk, warps, stages, persistent = config
     if flags["USE_TMA"]:
-        operands = (TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn, bk]),
-                    residual if residual is None else TensorDescriptor.from_tensor(residual, [bm, bn]),
-                    TensorDescriptor.from_tensor(out, [bm, bn]))
+        x_arg = TensorDescriptor.from_tensor(x, [bm, bk])
+        w_arg = TensorDescriptor.from_tensor(weight, [bn, bk])
+        r_arg = None if residual is None else TensorDescriptor.from_tensor(residual, [bm, bn])
+        y_arg = TensorDescriptor.from_tensor(out, [bm, bn])
     else:
-        operands = (x, weight, residual, out)
+        x_arg, w_arg, r_arg, y_arg = x, weight, residual, out
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
     grid = (min(tiles, num_programs(x.device) * persistent) if persistent else tiles,)
-    x_arg, w_arg, r_arg, y_arg = operands
     _linear_kernel[grid](
         x_arg, w_arg, bias, r_arg, y_arg,
         M, N, K, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), scale,

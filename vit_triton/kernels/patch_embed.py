@@ -18,7 +18,8 @@ import triton
 import triton.language as tl
 
 from ._common import (
-    cast, check_device, check_dtype, check_float, check_shape, input_precision, mma, pdl, start_next_kernel, wait_for_previous_kernel, tune,
+    cast, check_device, check_dtype, check_float, check_shape, input_precision, mma, pdl, start_next_kernel, tune,
+    wait_for_previous_kernel,
 )
 
 
