@@ -3,13 +3,15 @@
 The interpreter executes kernels as Python and accepts code that Triton's compiler rejects (a
 non-constexpr global, say); this compiles each kernel's first autotune config for every dtype
 and epilogue through to a cubin (as launched on Hopper, with programmatic dependent launch), and
-prints how many wgmma, TMA (cp.async.bulk.tensor) and griddepcontrol instructions each PTX holds.
+prints how many wgmma, TMA (cp.async.bulk.tensor), asynchronous copy (cp.async) and griddepcontrol
+instructions each PTX holds.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import re
 
 os.environ.pop("TRITON_INTERPRET", None)
 
@@ -25,6 +27,10 @@ from vit_triton.kernels.token_mean import _token_mean_kernel  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 FLOAT_ARGS = {"eps", "qk_scale", "scale"}
+# Integers that are multiples of 16 in every ViT launch (widths, row and head strides). Triton
+# specializes such arguments at launch; without that its pipeliner cannot prove 16-byte alignment
+# and copies nothing ahead, so the PTX here would not be the one the GPU runs.
+ALIGNED_INTS = re.compile(r"[NKD]|stride_\w+|s[qkvo]_[bth]")
 LINEAR_OPERANDS = {"x", "w", "r", "y"}   # linear's matrices: pointers, or descriptors with USE_TMA
 
 
@@ -51,7 +57,9 @@ def compile_kernel(kernel, dtype: str, options: dict, constexprs: dict, descript
             signature[p.name] = "fp32" if p.name in FLOAT_ARGS else "i32"
     constexprs = {**constexprs, "PDL": True}   # as launched on Hopper
     index = {p.name: (i,) for i, p in enumerate(kernel.params)}
-    src = triton.compiler.ASTSource(fn=kernel, signature=signature,
+    aligned = {index[name]: [["tt.divisibility", 16]] for name, kind in signature.items()
+               if kind.startswith("*") or (kind == "i32" and ALIGNED_INTS.fullmatch(name))}
+    src = triton.compiler.ASTSource(fn=kernel, signature=signature, attrs=aligned,
                                     constexprs={index[k]: v for k, v in constexprs.items()})
     return triton.compile(src, target=TARGET, options=options).asm["ptx"]
 
@@ -94,6 +102,7 @@ def main() -> None:
     for name, kernel, dtype, options, constexprs, descriptors in cases():
         ptx = compile_kernel(kernel, dtype, options, constexprs, descriptors)
         print(f"{name} {dtype} wgmma={ptx.count('wgmma.mma_async')} tma={ptx.count('cp.async.bulk.tensor')} "
+              f"cpasync={ptx.count('cp.async.cg') + ptx.count('cp.async.ca')} "
               f"gdc={ptx.count('griddepcontrol.wait')},{ptx.count('griddepcontrol.launch_dependents')}", flush=True)
 
 

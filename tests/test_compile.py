@@ -1,5 +1,6 @@
 """Every kernel compiles for the H100 (sm_90); its matrix products use Hopper's wgmma, linear's
-descriptor path the TMA, and each waits for the kernel before it (programmatic dependent launch)."""
+descriptor path the TMA, the pointer paths of the tiled kernels copy ahead asynchronously (the
+software pipeline), and each waits for the kernel before it (programmatic dependent launch)."""
 
 import subprocess
 import sys
@@ -19,10 +20,14 @@ def test_kernels_compile_for_sm90_with_wgmma():
     for (name, dtype), found in counts.items():
         # Tensor-core kernels in 16-bit and tf32 must use wgmma; exact fp32 and row kernels none.
         uses_tensor_cores = name.startswith(("linear", "fused_attention", "patch_embed")) and dtype != "fp32"
-        assert all(w > 0 for [w], _, _ in found) if uses_tensor_cores else all(w == 0 for [w], _, _ in found), (
+        assert all(w > 0 for [w], _, _, _ in found) if uses_tensor_cores else all(w == 0 for [w], _, _, _ in found), (
             name, dtype, found)
         # The descriptor path of linear moves its tiles with the TMA (bulk tensor copies); no other does.
-        assert all((t > 0) == (name == "linear-tma") for _, [t], _ in found), (name, dtype, found)
+        assert all((t > 0) == (name == "linear-tma") for _, [t], _, _ in found), (name, dtype, found)
+        # The tiled kernels that read through pointers stage their next K (or key) tiles with cp.async;
+        # without it every loop step would wait out a global-memory load.
+        if name in ("linear", "fused_attention", "patch_embed"):
+            assert all(c > 0 for _, _, [c], _ in found), (name, dtype, found)
         # Programmatic dependent launch: every kernel waits for the one before it once, at its start,
         # and lets the next one launch before its last stores (linear's loop holds that twice).
-        assert all(wait == 1 and launch >= 1 for _, _, [wait, launch] in found), (name, dtype, found)
+        assert all(wait == 1 and launch >= 1 for _, _, _, [wait, launch] in found), (name, dtype, found)
