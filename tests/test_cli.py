@@ -23,3 +23,12 @@ def test_verify_prints_errors_and_times(capsys):
 def test_verify_bad_arguments(args, match):
     with pytest.raises(SystemExit, match=match):
         main(["verify", *args])
+
+
+def test_bench_help_names_every_system(capsys):
+    from vit_triton.bench.systems import SYSTEMS
+
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    listed = "".join(capsys.readouterr().out.split())   # argparse wraps the help text, even inside names
+    assert listed.split("comma-separatedsubsetof")[1].split("(default:all)")[0].split(",") == list(SYSTEMS)

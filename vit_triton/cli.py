@@ -59,7 +59,7 @@ def _parser() -> argparse.ArgumentParser:
                             "(torch.set_float32_matmul_precision('high')); fp32 keeps them exact "
                             "(default: %(default)s)")
     bench.add_argument("--systems", default=None,
-                       help="comma-separated subset of vit-triton,hf,timm,timm+compile:default,"
+                       help="comma-separated subset of vit-triton,vit-triton+cudagraph,hf,timm,timm+compile:default,"
                             "timm+compile:max-autotune-no-cudagraphs,timm+compile:reduce-overhead (default: all)")
     bench.add_argument("--kernels", action="store_true",
                        help="time each kernel of one forward pass (at the largest batch size) against PyTorch "

@@ -1,5 +1,7 @@
 """fused_attention against F.scaled_dot_product_attention, on the strided q/k/v the model passes."""
 
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -7,6 +9,8 @@ import torch.nn.functional as F
 from tests.kernels.checks import assert_written_in_place, check, each_dtype, empty, nan_filled, rand, raises_value_error
 from tests.numerics import DTYPES
 from vit_triton.kernels import fused_attention
+
+ATTENTION = importlib.import_module("vit_triton.kernels.attention")   # the module; the package exports the function
 
 
 def torch_attention(scale=None):
@@ -54,6 +58,19 @@ def test_contiguous_inputs(dtype, tokens, head_dim):
 
 def test_577_tokens():
     attend(*qkv(1, 577, 1, 64, torch.bfloat16))
+
+
+def test_tuned_per_batch_class(monkeypatch):
+    # The best tile at one image (few programs) is not the best at 256 (benchmarks/NOTES.md 16: 1.38x slower there),
+    # so the autotuner keys on B*H rounded up to a power of two, not on the sequence alone.
+    kernel = ATTENTION._attention_kernel
+    assert "batch_heads" in kernel.keys
+    seen = []
+    run = kernel.run
+    monkeypatch.setattr(kernel, "run", lambda *args, **kwargs: seen.append(args[6]) or run(*args, **kwargs))
+    for batch, heads in ((1, 3), (5, 3), (2, 2)):
+        attend(*qkv(batch, 17, heads, 32, torch.float32))
+    assert seen == [4, 16, 4]
 
 
 @each_dtype
