@@ -3,8 +3,9 @@
 The interpreter executes kernels as Python and accepts code that Triton's compiler rejects (a
 non-constexpr global, say); this compiles each kernel's first autotune config for every dtype
 and epilogue through to a cubin (as launched on Hopper, with programmatic dependent launch), and
-prints how many wgmma, TMA (cp.async.bulk.tensor), asynchronous copy (cp.async) and griddepcontrol
-instructions each PTX holds.
+prints how many wgmma, TMA (cp.async.bulk.tensor), asynchronous copy (cp.async), griddepcontrol
+and L2 prefetch instructions each PTX holds (the prefetches: in all, and before the wait), and
+whether the next kernel is let launch before the first load after the wait (PDL_EARLY).
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from vit_triton.kernels.attention import _attention_kernel  # noqa: E402
 from vit_triton.kernels.layer_norm import _layer_norm_kernel  # noqa: E402
+from vit_triton.kernels._common import PDL_EARLY, PDL_LATE  # noqa: E402
 from vit_triton.kernels._tune import Config  # noqa: E402
-from vit_triton.kernels.linear import ACTIVATIONS, FLOAT32, LARGE_M, _linear_kernel  # noqa: E402
+from vit_triton.kernels.linear import ACTIVATIONS, FLOAT32, LARGE_M, TINY_M, _linear_kernel  # noqa: E402
 from vit_triton.kernels.patch_embed import _patch_embed_kernel  # noqa: E402
 from vit_triton.kernels.token_mean import _token_mean_kernel  # noqa: E402
 
@@ -55,7 +57,7 @@ def compile_kernel(kernel, dtype: str, options: dict, constexprs: dict, descript
             signature[p.name] = f"*{element}"
         else:
             signature[p.name] = "fp32" if p.name in FLOAT_ARGS else "i32"
-    constexprs = {**constexprs, "PDL": True}   # as launched on Hopper
+    constexprs = {"PDL": PDL_LATE, **constexprs}   # as launched on Hopper
     index = {p.name: (i,) for i, p in enumerate(kernel.params)}
     aligned = {index[name]: [["tt.divisibility", 16]] for name, kind in signature.items()
                if kind.startswith("*") or (kind == "i32" and ALIGNED_INTS.fullmatch(name))}
@@ -64,10 +66,11 @@ def compile_kernel(kernel, dtype: str, options: dict, constexprs: dict, descript
     return triton.compile(src, target=TARGET, options=options).asm["ptx"]
 
 
-def linear_case(name: str, dtype: str, config: Config, **flags):
-    """linear with this launch config; USE_TMA passes x, w, r and y as descriptors of its tiles."""
+def linear_case(name: str, dtype: str, config: Config, pdl: int = PDL_LATE, **flags):
+    """linear with this launch config, prefetching its weights; USE_TMA passes x, w, r and y as
+    descriptors of its tiles."""
     bm, bn, bk, warps, stages, _ = config
-    constexprs = dict(flags, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8)
+    constexprs = dict(flags, PDL=pdl, PREFETCH=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8)
     descriptors = dict(x=(bm, bk), w=(bn, bk), r=(bm, bn), y=(bm, bn)) if flags["USE_TMA"] else None
     if descriptors and not flags["HAS_RESIDUAL"]:
         del descriptors["r"]
@@ -84,6 +87,10 @@ def cases():
             for tma in (False, True):
                 yield linear_case("linear-tma" if tma else "linear", dtype, config, HAS_BIAS=bias, ACT=act,
                                   HAS_RESIDUAL=res, HAS_SCALE=not bias, INPUT_PRECISION="ieee", USE_TMA=tma)
+        for tma in (False, True) if dtype == "bf16" else ():   # a launch whose programs all fit on the SMs
+            yield linear_case("linear-tma-early" if tma else "linear-early", dtype, TINY_M[0], PDL_EARLY,
+                              HAS_BIAS=True, ACT="none", HAS_RESIDUAL=False, HAS_SCALE=False, INPUT_PRECISION="ieee",
+                              USE_TMA=tma)
         yield ("fused_attention", _attention_kernel, dtype, {}, dict(HEAD_DIM=80, BLOCK_D=128, INPUT_PRECISION="ieee"),
                None)
         yield ("patch_embed", _patch_embed_kernel, dtype, {}, dict(
@@ -101,9 +108,15 @@ def cases():
 def main() -> None:
     for name, kernel, dtype, options, constexprs, descriptors in cases():
         ptx = compile_kernel(kernel, dtype, options, constexprs, descriptors)
+        prologue = ptx.split("griddepcontrol.wait")[0]
+        after_wait = ptx.split("griddepcontrol.wait")[-1]
+        first_trigger = after_wait.find("griddepcontrol.launch_dependents")
+        first_load = min((i for i in (after_wait.find(op) for op in ("ld.global", "cp.async")) if i >= 0), default=-1)
         print(f"{name} {dtype} wgmma={ptx.count('wgmma.mma_async')} tma={ptx.count('cp.async.bulk.tensor')} "
               f"cpasync={ptx.count('cp.async.cg') + ptx.count('cp.async.ca')} "
-              f"gdc={ptx.count('griddepcontrol.wait')},{ptx.count('griddepcontrol.launch_dependents')}", flush=True)
+              f"gdc={ptx.count('griddepcontrol.wait')},{ptx.count('griddepcontrol.launch_dependents')} "
+              f"prefetch={ptx.count('prefetch.global.L2')},{prologue.count('prefetch.global.L2')} "
+              f"trigger_before_loads={int(0 <= first_trigger < first_load)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Every kernel compiles for the H100 (sm_90); its matrix products use Hopper's wgmma, linear's
 descriptor path the TMA, the pointer paths of the tiled kernels copy ahead asynchronously (the
-software pipeline), and each waits for the kernel before it (programmatic dependent launch)."""
+software pipeline), each waits for the kernel before it (programmatic dependent launch), and linear
+asks L2 for its weights before that wait."""
 
 import subprocess
 import sys
@@ -16,18 +17,26 @@ def test_kernels_compile_for_sm90_with_wgmma():
     for line in result.stdout.splitlines():
         name, dtype, *found = line.split(" ")
         counts.setdefault((name, dtype), []).append([[int(n) for n in f.split("=")[1].split(",")] for f in found])
-    assert len(counts) == 21, sorted(counts)
+    assert len(counts) == 23, sorted(counts)
     for (name, dtype), found in counts.items():
         # Tensor-core kernels in 16-bit and tf32 must use wgmma; exact fp32 and row kernels none.
         uses_tensor_cores = name.startswith(("linear", "fused_attention", "patch_embed")) and dtype != "fp32"
-        assert all(w > 0 for [w], _, _, _ in found) if uses_tensor_cores else all(w == 0 for [w], _, _, _ in found), (
+        early = name.endswith("-early")
+        assert all(w > 0 for [w], *_ in found) if uses_tensor_cores else all(w == 0 for [w], *_ in found), (
             name, dtype, found)
         # The descriptor path of linear moves its tiles with the TMA (bulk tensor copies); no other does.
-        assert all((t > 0) == (name == "linear-tma") for _, [t], _, _ in found), (name, dtype, found)
+        assert all((t > 0) == name.startswith("linear-tma") for _, [t], *_ in found), (name, dtype, found)
         # The tiled kernels that read through pointers stage their next K (or key) tiles with cp.async;
         # without it every loop step would wait out a global-memory load.
-        if name in ("linear", "fused_attention", "patch_embed"):
-            assert all(c > 0 for _, _, [c], _ in found), (name, dtype, found)
-        # Programmatic dependent launch: every kernel waits for the one before it once, at its start,
-        # and lets the next one launch before its last stores (linear's loop holds that twice).
-        assert all(wait == 1 and launch >= 1 for _, _, _, [wait, launch] in found), (name, dtype, found)
+        if name in ("linear", "linear-early", "fused_attention", "patch_embed"):
+            assert all(c > 0 for _, _, [c], *_ in found), (name, dtype, found)
+        # Programmatic dependent launch: every kernel waits for the one before it once, and lets the
+        # next one launch: right after the wait (PDL_EARLY, before any load), or before its last
+        # stores (linear's loop holds that twice).
+        assert all(wait == 1 and launch >= 1 for _, _, _, [wait, launch], _, _ in found), (name, dtype, found)
+        assert all(first == early for *_, [first] in found), (name, dtype, found)
+        # linear prefetches its weights, every prefetch ahead of the wait; no other kernel prefetches.
+        if name.startswith("linear"):
+            assert all(total > 0 and before == total for *_, [total, before], _ in found), (name, dtype, found)
+        else:
+            assert all(total == 0 for *_, [total, _], _ in found), (name, dtype, found)

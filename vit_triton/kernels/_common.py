@@ -22,23 +22,42 @@ except ImportError:
     gdc_launch_dependents = gdc_wait = None
 
 
+PDL_OFF, PDL_LATE, PDL_EARLY = 0, 1, 2   # the PDL constexpr of every kernel: see pdl()
+_LATE, _EARLY = tl.constexpr(PDL_LATE), tl.constexpr(PDL_EARLY)
+
+
 @triton.jit
 def wait_for_previous_kernel(PDL: tl.constexpr):
-    """First statement of every kernel. With programmatic dependent launch (PDL), a kernel's
-    programs may be scheduled while the previous kernel in the stream is still finishing; each
-    waits here until that kernel is done and its writes are visible. What overlaps is the launch
-    and prologue latency between two kernels: at one image, a tenth of the forward."""
+    """Every kernel's wait for its inputs. With programmatic dependent launch (PDL), a kernel's
+    programs may be scheduled while the previous kernel in the stream is still running; each waits
+    here until that kernel is done and its writes are visible. What comes before this call must not
+    read what the previous kernel writes (linear asks L2 for its weights there).
+
+    PDL_EARLY: the next kernel may launch as soon as every program has passed here. Its programs
+    then take the SMs this launch leaves idle and fetch what they need that no kernel writes (their
+    weights), so at one image the GPU streams the next GEMM's weights while this kernel runs."""
     if PDL:
         gdc_wait()
+    if PDL == _EARLY:
+        gdc_launch_dependents()
 
 
 @triton.jit
 def start_next_kernel(PDL: tl.constexpr):
-    """With PDL: lets the next kernel's programs be scheduled once every program of this one has
-    passed here, each before its last stores. (Letting them launch at the very start was no faster
-    at one image and slower at 32: their programs then sat on SMs the whole kernel.)"""
-    if PDL:
+    """PDL_LATE: lets the next kernel launch once every program has passed here, each before its last
+    stores. A launch of more programs than SMs triggers here, not early: the next kernel's programs
+    would otherwise sit on SMs, waiting, while this kernel's programs still run."""
+    if PDL == _LATE:
         gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_l2(ptrs, mask):
+    """Asks L2 for the 128-byte lines at ptrs where mask holds; nothing is written to registers and
+    nothing waits. A no-op under the interpreter."""
+    if not _INTERPRET:
+        tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
+                                  "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -157,13 +176,16 @@ def _pdl_supported(index: int | None) -> bool:
     return torch.cuda.get_device_capability(index) >= (9, 0)
 
 
-def pdl(device: torch.device) -> dict:
+def pdl(device: torch.device, programs: int) -> dict:
     """Launch arguments for programmatic dependent launch: the kernel's PDL and Triton's launch_pdl,
     on for CUDA devices of compute capability 9.0 and newer (Hopper) unless VIT_TRITON_PDL=0; off
-    under the interpreter."""
+    under the interpreter. `programs`: how many programs (or tiles) the launch runs at most; when they
+    all fit on the SMs at once the next kernel may launch early (PDL_EARLY), else late (PDL_LATE)."""
     on = (not INTERPRET and gdc_wait is not None and device.type == "cuda"
           and os.environ.get("VIT_TRITON_PDL", "1") != "0" and _pdl_supported(device.index))
-    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+    if not on:
+        return {"PDL": PDL_OFF}
+    return {"PDL": PDL_EARLY if programs <= _sm_count(device.index) else PDL_LATE, "launch_pdl": True}
 
 
 @functools.cache

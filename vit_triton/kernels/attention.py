@@ -26,6 +26,7 @@ from ._common import (
 )
 
 TAIL_N = tl.constexpr(16)  # the smallest key block a 16-bit tensor-core product takes (k = 16)
+SMALLEST_BLOCK_M = 64      # of the configs below: the launch with the most programs
 
 
 @triton.jit
@@ -155,6 +156,6 @@ def fused_attention(
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         HEAD_DIM=Dh, BLOCK_D=max(16, triton.next_power_of_2(Dh)),
-        INPUT_PRECISION=input_precision(q.dtype, allow_tf32), **pdl(q.device),
+        INPUT_PRECISION=input_precision(q.dtype, allow_tf32), **pdl(q.device, B * H * triton.cdiv(T, SMALLEST_BLOCK_M)),
     )
     return out

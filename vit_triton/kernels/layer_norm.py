@@ -73,6 +73,6 @@ def layer_norm(
     _layer_norm_kernel[(triton.cdiv(M, block_m),)](
         x, weight.contiguous(), bias.contiguous(), out,
         M, D, x.stride(0), out.stride(0), eps,
-        BLOCK_M=block_m, BLOCK_D=block_d, num_warps=num_warps, **pdl(x.device),
+        BLOCK_M=block_m, BLOCK_D=block_d, num_warps=num_warps, **pdl(x.device, triton.cdiv(M, block_m)),
     )
     return out

@@ -13,6 +13,8 @@ Cost: 2*B*Np*D*C*S*S FLOPs; at least B*C*H*W + D*C*S*S + B*T*D (+ T*D pos) eleme
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -151,6 +153,7 @@ def patch_embed(
         rows = triton.cdiv(B * num_patches, meta["BLOCK_M"]) + triton.cdiv(B * num_prefix, meta["BLOCK_M"])
         return (rows, triton.cdiv(D, meta["BLOCK_N"]))
 
+    most_programs = math.prod(grid({"BLOCK_M": 64, "BLOCK_N": 64}))   # the smallest tiles of the configs
     _patch_embed_kernel[grid](
         pixels, weight, bias, None if pos_embed is None else pos_embed.contiguous(),
         None if prefix_tokens is None else prefix_tokens.contiguous(), out,
@@ -159,6 +162,6 @@ def patch_embed(
         weight.stride(0), out.stride(0), out.stride(1),
         PATCH=S, HAS_BIAS=bias is not None, HAS_PREFIX=num_prefix > 0, HAS_POS=pos_embed is not None,
         POS_HAS_PREFIX=pos_embed is not None and pos_embed.shape[0] == T and num_prefix > 0,
-        INPUT_PRECISION=input_precision(weight.dtype, allow_tf32), **pdl(weight.device),
+        INPUT_PRECISION=input_precision(weight.dtype, allow_tf32), **pdl(weight.device, most_programs),
     )
     return out

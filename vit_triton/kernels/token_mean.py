@@ -51,6 +51,6 @@ def token_mean(x: torch.Tensor, start: int = 0, *, out: torch.Tensor | None = No
     block_d = min(256, triton.next_power_of_2(D))
     _token_mean_kernel[(B, triton.cdiv(D, block_d))](
         x, out, T, D, start, x.stride(0), x.stride(1), out.stride(0),
-        BLOCK_T=16, BLOCK_D=block_d, num_warps=4, **pdl(x.device),
+        BLOCK_T=16, BLOCK_D=block_d, num_warps=4, **pdl(x.device, B * triton.cdiv(D, block_d)),
     )
     return out
