@@ -108,8 +108,7 @@ def cases():
 def main() -> None:
     for name, kernel, dtype, options, constexprs, descriptors in cases():
         ptx = compile_kernel(kernel, dtype, options, constexprs, descriptors)
-        prologue = ptx.split("griddepcontrol.wait")[0]
-        after_wait = ptx.split("griddepcontrol.wait")[-1]
+        prologue, *_, after_wait = ptx.split("griddepcontrol.wait")
         first_trigger = after_wait.find("griddepcontrol.launch_dependents")
         first_load = min((i for i in (after_wait.find(op) for op in ("ld.global", "cp.async")) if i >= 0), default=-1)
         print(f"{name} {dtype} wgmma={ptx.count('wgmma.mma_async')} tma={ptx.count('cp.async.bulk.tensor')} "

@@ -126,9 +126,9 @@ def _linear_kernel(
     if PREFETCH:
         # Launched before the previous kernel has finished (PDL), each program asks L2 for its share
         # of W, which no kernel writes; its loads after the wait then hit L2 instead of HBM.
-        lines = tl.cdiv(N * stride_wn * w_ptr.dtype.element_ty.primitive_bitwidth, 1024)   # of 128 bytes
+        per_line: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth   # elements in 128 bytes
+        lines = tl.cdiv(N * stride_wn, per_line)
         share = tl.cdiv(lines, tl.num_programs(0))
-        per_line = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth
         for i in range(tl.program_id(0) * share, (tl.program_id(0) + 1) * share, PREFETCH_LINES):
             offs = i + tl.arange(0, PREFETCH_LINES)
             prefetch_l2(w_ptr + offs.to(tl.int64) * per_line, offs < lines)
