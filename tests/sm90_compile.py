@@ -39,8 +39,9 @@ LINEAR_OPERANDS = {"x", "w", "r", "y"}   # linear's matrices: pointers, or descr
 def compile_kernel(kernel, dtype: str, options: dict, constexprs: dict, descriptors: dict | None = None) -> str:
     """PTX of `kernel` (a JITFunction or an Autotuner, whose first config is used) for sm_90.
 
-    Pointer arguments (named *_ptr) get `dtype` ("tf32" means fp32 pointers), integers i32;
-    `descriptors` maps argument names to TMA descriptor block shapes (those arguments' type)."""
+    Pointer arguments (named *_ptr) get `dtype` ("tf32" means fp32 pointers) but the fp32 partial
+    sums of split K, integers i32; `descriptors` maps argument names to TMA descriptor block shapes
+    (those arguments' type)."""
     if isinstance(kernel, triton.runtime.Autotuner):
         config = kernel.configs[0]
         constexprs = {**constexprs, **config.kwargs}
@@ -53,6 +54,8 @@ def compile_kernel(kernel, dtype: str, options: dict, constexprs: dict, descript
             signature[p.name] = "constexpr"
         elif descriptors and p.name in descriptors:
             signature[p.name] = f"tensordesc<{element}{list(descriptors[p.name])}>"
+        elif p.name == "parts_ptr" or (p.name == "y" and constexprs.get("SPLIT_K", 1) > 1):
+            signature[p.name] = "*fp32"
         elif p.name.endswith("_ptr") or p.name in LINEAR_OPERANDS:
             signature[p.name] = f"*{element}"
         else:
@@ -66,14 +69,16 @@ def compile_kernel(kernel, dtype: str, options: dict, constexprs: dict, descript
     return triton.compile(src, target=TARGET, options=options).asm["ptx"]
 
 
-def linear_case(name: str, dtype: str, config: Config, pdl: int = PDL_LATE, **flags):
-    """linear with this launch config, prefetching its weights; USE_TMA passes x, w, r and y as
-    descriptors of its tiles."""
+def linear_case(name: str, dtype: str, config: Config, pdl: int = PDL_LATE, split_k: int = 1, **flags):
+    """linear with this launch config, prefetching its weights; USE_TMA passes x, w, r and y (but
+    split K's fp32 partial sums) as descriptors of its tiles."""
     bm, bn, bk, warps, stages, _ = config
-    constexprs = dict(flags, PDL=pdl, PREFETCH=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8)
+    constexprs = dict(flags, PDL=pdl, PREFETCH=True, SPLIT_K=split_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8)
     descriptors = dict(x=(bm, bk), w=(bn, bk), r=(bm, bn), y=(bm, bn)) if flags["USE_TMA"] else None
     if descriptors and not flags["HAS_RESIDUAL"]:
         del descriptors["r"]
+    if descriptors and split_k > 1:
+        del descriptors["y"]
     return name, _linear_kernel, dtype, {"num_warps": warps, "num_stages": stages}, constexprs, descriptors
 
 
@@ -87,16 +92,19 @@ def cases():
             for tma in (False, True):
                 yield linear_case("linear-tma" if tma else "linear", dtype, config, HAS_BIAS=bias, ACT=act,
                                   HAS_RESIDUAL=res, HAS_SCALE=not bias, INPUT_PRECISION="ieee", USE_TMA=tma)
-        for tma in (False, True) if dtype == "bf16" else ():   # a launch whose programs all fit on the SMs
-            yield linear_case("linear-tma-early" if tma else "linear-early", dtype, TINY_M[0], PDL_EARLY,
-                              HAS_BIAS=True, ACT="none", HAS_RESIDUAL=False, HAS_SCALE=False, INPUT_PRECISION="ieee",
-                              USE_TMA=tma)
+        # Launches whose programs all fit on the SMs: one image's GEMMs, and its GEMMs split along K.
+        for tma, split_k in itertools.product((False, True), (1, 2)) if dtype == "bf16" else ():
+            yield linear_case(f"linear{'-tma' * tma}{'-split' * (split_k > 1)}-early", dtype, TINY_M[0], PDL_EARLY,
+                              split_k, HAS_BIAS=True, ACT="none", HAS_RESIDUAL=False, HAS_SCALE=False,
+                              INPUT_PRECISION="ieee", USE_TMA=tma)
         yield ("fused_attention", _attention_kernel, dtype, {}, dict(HEAD_DIM=80, BLOCK_D=128, INPUT_PRECISION="ieee"),
                None)
         yield ("patch_embed", _patch_embed_kernel, dtype, {}, dict(
             PATCH=16, HAS_BIAS=True, HAS_PREFIX=True, HAS_POS=True, POS_HAS_PREFIX=dtype != "fp16",
             INPUT_PRECISION="ieee"), None)
-        yield ("layer_norm", _layer_norm_kernel, dtype, {"num_warps": 8}, dict(BLOCK_M=4, BLOCK_D=1024), None)
+        for parts in (0, 2) if dtype == "bf16" else (0,):   # 2: add_layer_norm after a GEMM split in two
+            yield (f"layer_norm{'-add' * (parts > 0)}", _layer_norm_kernel, dtype, {"num_warps": 8},
+                   dict(NUM_PARTS=parts, BLOCK_M=4, BLOCK_D=1024), None)
         yield ("token_mean", _token_mean_kernel, dtype, {"num_warps": 4}, dict(BLOCK_T=16, BLOCK_D=256), None)
     for tma in (False, True):
         yield linear_case("linear-tma" if tma else "linear", "tf32", FLOAT32[0], HAS_BIAS=True, ACT="gelu",

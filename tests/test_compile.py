@@ -17,7 +17,7 @@ def test_kernels_compile_for_sm90_with_wgmma():
     for line in result.stdout.splitlines():
         name, dtype, *found = line.split(" ")
         counts.setdefault((name, dtype), []).append([[int(n) for n in f.split("=")[1].split(",")] for f in found])
-    assert len(counts) == 23, sorted(counts)
+    assert len(counts) == 26, sorted(counts)
     for (name, dtype), found in counts.items():
         # Tensor-core kernels in 16-bit and tf32 must use wgmma; exact fp32 and row kernels none.
         uses_tensor_cores = name.startswith(("linear", "fused_attention", "patch_embed")) and dtype != "fp32"
@@ -28,7 +28,7 @@ def test_kernels_compile_for_sm90_with_wgmma():
         assert all((t > 0) == name.startswith("linear-tma") for _, [t], *_ in found), (name, dtype, found)
         # The tiled kernels that read through pointers stage their next K (or key) tiles with cp.async;
         # without it every loop step would wait out a global-memory load.
-        if name in ("linear", "linear-early", "fused_attention", "patch_embed"):
+        if name in ("linear", "linear-early", "linear-split-early", "fused_attention", "patch_embed"):
             assert all(c > 0 for _, _, [c], *_ in found), (name, dtype, found)
         # Programmatic dependent launch: every kernel waits for the one before it once, and lets the
         # next one launch: right after the wait (PDL_EARLY, before any load), or before its last

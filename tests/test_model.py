@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.numerics import DEVICE, assert_close, randomize_
-from vit_triton.model import ViT, ViTConfig
+from vit_triton.model import ViT, ViTConfig, vit
 from vit_triton.model.reference import reference_forward
 
 SMALL = dict(image_size=24, patch_size=8, embed_dim=64, depth=2, num_heads=2, mlp_dim=96)
@@ -43,6 +43,26 @@ def test_forward_matches_reference(variant, dtype):
         theirs = reference_forward(cfg, params, pixels, features_only)
         assert_close(ours, ref, dtype, theirs)
     assert model(pixels).shape == (3, cfg.num_classes or cfg.embed_dim)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("variant", ["cls-head", "avg-fc_norm-registers", "no-class-no_embed_class"])
+def test_forward_with_split_residual_gemms(monkeypatch, variant, splits):
+    # Whatever the shapes: proj and fc2 cut along K, their sums left to the next LayerNorm, or not
+    # cut at all. With no final norm to add them (fc_norm, final_norm=False) the last fc2 is not cut.
+    asked = []
+    monkeypatch.setattr(vit, "split_k", lambda *shape: asked.append(shape[:3]) or splits)
+    model = _model(torch.bfloat16, **VARIANTS[variant])
+    cfg = model.config
+    pixels = torch.randn(2, 3, cfg.image_size, cfg.image_size, device=DEVICE).bfloat16()
+    ours = model.forward_features(pixels)
+    params = model.state_dict()
+    ref = reference_forward(cfg, {k: v.double() for k, v in params.items()}, pixels.double(), True)
+    assert_close(ours, ref, torch.bfloat16, reference_forward(cfg, params, pixels, True))
+    m, d = 2 * cfg.num_tokens, cfg.embed_dim
+    deferred_last = model.norm is not None
+    fc2_deferred = [(m, d, cfg.mlp_dim)] * deferred_last
+    assert asked == [(m, d, d), (m, d, cfg.mlp_dim)] * (cfg.depth - 1) + [(m, d, d)] + fc2_deferred
 
 
 def test_distilled_pre_logits_is_the_mean_of_class_and_distillation_tokens():

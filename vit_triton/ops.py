@@ -43,6 +43,26 @@ def _(x, weight, bias, eps):
     return x.new_empty(x.shape)
 
 
+@torch.library.custom_op("vit_triton::linear_partials", mutates_args=())
+def _linear_partials(x: Tensor, weight: Tensor, bias: Tensor | None, splits: int) -> Tensor:
+    return kernels.linear_partials(x, weight, bias, splits)
+
+
+@_linear_partials.register_fake
+def _(x, weight, bias, splits):
+    return x.new_empty((splits, x.shape[0], weight.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("vit_triton::add_layer_norm", mutates_args=())
+def _add_layer_norm(x: Tensor, parts: Tensor, weight: Tensor, bias: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    return kernels.add_layer_norm(x, parts, weight, bias, eps)
+
+
+@_add_layer_norm.register_fake
+def _(x, parts, weight, bias, eps):
+    return x.new_empty(x.shape), x.new_empty(x.shape)
+
+
 @torch.library.custom_op("vit_triton::fused_attention", mutates_args=())
 def _fused_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> Tensor:
     return kernels.fused_attention(q, k, v, scale=scale)
@@ -90,6 +110,20 @@ def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
     if torch.compiler.is_compiling():
         return _layer_norm(x, weight, bias, eps)
     return kernels.layer_norm(x, weight, bias, eps)
+
+
+def linear_partials(x: Tensor, weight: Tensor, bias: Tensor | None, splits: int) -> Tensor:
+    """kernels.linear_partials: x @ weight.T + bias as fp32 partial sums [splits, M, N] over slices of K."""
+    if torch.compiler.is_compiling():
+        return _linear_partials(x, weight, bias, splits)
+    return kernels.linear_partials(x, weight, bias, splits)
+
+
+def add_layer_norm(x: Tensor, parts: Tensor, weight: Tensor, bias: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """kernels.add_layer_norm: (s, LayerNorm(s)) for s = x + parts.sum(0)."""
+    if torch.compiler.is_compiling():
+        return _add_layer_norm(x, parts, weight, bias, eps)
+    return kernels.add_layer_norm(x, parts, weight, bias, eps)
 
 
 def fused_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None) -> Tensor:

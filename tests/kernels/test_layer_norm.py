@@ -1,4 +1,4 @@
-"""layer_norm against F.layer_norm."""
+"""layer_norm and add_layer_norm (a split GEMM's partial sums added first) against F.layer_norm."""
 
 import itertools
 
@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.kernels.checks import assert_written_in_place, check, each_dtype, empty, nan_filled, rand, raises_value_error
-from vit_triton.kernels import layer_norm
+from vit_triton.kernels import add_layer_norm, layer_norm
 
 
 def torch_layer_norm(eps):
@@ -52,6 +52,40 @@ def test_every_element_is_written_in_place(dtype):
     result = layer_norm(x, w, b, 1e-6, out=out)
     assert_written_in_place(result, out, buffer)
     check(result, torch_layer_norm(1e-6), x, w, b)
+
+
+def add_then(fn):
+    """fn of x + parts.sum(0), the sum rounded once to x's precision as add_layer_norm rounds it."""
+    return lambda x, parts, *rest: fn((x + parts.sum(0)).to(x.dtype), *rest)
+
+
+@each_dtype
+@pytest.mark.parametrize("m, d, splits", [(1, 32, 1), (37, 80, 2), (197, 768, 3), (5, 1000, 4)])
+def test_add_layer_norm(dtype, m, d, splits):
+    # The residual stream x (with a mean offset) plus the fp32 partial sums of a split GEMM.
+    x, w, b = inputs(m, d, dtype)
+    parts = rand(splits, m, d, dtype=torch.float32)
+    total, y = add_layer_norm(x, parts, w, b, 1e-6)
+    check(total, add_then(lambda s: s), x, parts)
+    check(y, add_then(torch_layer_norm(1e-6)), x, parts, w, b)
+
+
+def test_add_layer_norm_normalises_the_rounded_sum():
+    # y must be the LayerNorm of the stream as stored (what the next block adds to), bit for bit.
+    x, w, b = inputs(37, 80, torch.bfloat16)
+    total, y = add_layer_norm(x, rand(2, 37, 80, dtype=torch.float32), w, b, 1e-6)
+    torch.testing.assert_close(y, layer_norm(total, w, b, 1e-6), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("parts, message", [
+    (empty(2, 5, 11), "parts must have shape [S, 5, 12], got (2, 5, 11)"),
+    (empty(5, 12), "parts must have shape [S, 5, 12], got (5, 12)"),
+    (empty(1, 5, 12, dtype=torch.bfloat16), "parts must be torch.float32, got torch.bfloat16"),
+])
+def test_add_layer_norm_bad_parts(parts, message):
+    x, w, b = inputs(5, 12, torch.bfloat16)
+    with raises_value_error(message):
+        add_layer_norm(x, parts, w, b, 1e-6)
 
 
 @pytest.mark.parametrize("change, message", [

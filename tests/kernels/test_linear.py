@@ -1,4 +1,5 @@
-"""linear: y = scale * (act(x @ W^T + b) [+ residual]) against F.linear and PyTorch's activations."""
+"""linear: y = scale * (act(x @ W^T + b) [+ residual]) against F.linear and PyTorch's activations; linear_partials
+and split_k (split K)."""
 
 import itertools
 import threading
@@ -13,7 +14,9 @@ from tests.kernels.checks import (
     tf32_matmuls,
 )
 from tests.numerics import DEVICE, assert_close
-from vit_triton.kernels import ACTIVATIONS, linear
+from vit_triton.kernels import ACTIVATIONS, linear, linear_partials, split_k
+from vit_triton.kernels._common import num_programs
+from vit_triton.kernels.linear import MAX_SPLITS, SPLIT_MAX_TILES, SPLIT_MIN_DEPTH, SPLIT_TILE, SPLITS
 
 TORCH_ACTIVATIONS = {
     "none": lambda y: y,
@@ -144,6 +147,37 @@ def test_bad_input(change, message):
     args = dict(zip("xwbr", inputs(5, 6, 8, torch.float32)), act="none", out=None) | change
     with raises_value_error(message):
         linear(args["x"], args["w"], args["b"], activation=args["act"], residual=args["r"], out=args["out"])
+
+
+PARTIAL_SHAPES = [(1, 7, 3, 1), (37, 45, 100, 2), (197, 96, 384, 3), (70, 33, 257, 4), (29, 40, 33, 4)]
+
+
+@each_dtype
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("m, n, k, splits", PARTIAL_SHAPES)
+def test_partial_sums_add_up_to_the_product(dtype, bias, m, n, k, splits):
+    # K not a multiple of the slices' depth: the last slice runs past K (and reads zeros), or has no
+    # K at all (33 deep in 4 slices of 32-deep steps); the bias lies in slice 0 only.
+    x, w, b, _ = inputs(m, n, k, dtype, bias, residual=False)
+    parts = linear_partials(x, w, b, splits)
+    assert parts.shape == (splits, m, n) and parts.dtype == torch.float32
+    check(parts.sum(0).to(dtype), torch_linear("none"), x, w, b, None)
+
+
+@pytest.mark.parametrize("splits", [0, MAX_SPLITS + 1])
+def test_bad_splits(splits):
+    x, w, b, _ = inputs(5, 6, 8, torch.float32)
+    with raises_value_error(f"splits must be between 1 and {MAX_SPLITS}, got {splits}"):
+        linear_partials(x, w, b, splits)
+
+
+def test_split_k_cuts_deep_products_of_few_tiles():
+    most = int(SPLIT_MAX_TILES * num_programs(DEVICE))   # tiles a product may have and still be cut
+    deep = SPLITS * SPLIT_MIN_DEPTH
+    assert split_k(SPLIT_TILE, SPLIT_TILE, deep, DEVICE) == SPLITS                  # one tile
+    assert split_k(SPLIT_TILE * most - 1, SPLIT_TILE, 10 * deep, DEVICE) == SPLITS
+    assert split_k(SPLIT_TILE * most + 1, SPLIT_TILE, 10 * deep, DEVICE) == 1       # one tile too many
+    assert split_k(1, 1, deep - 1, DEVICE) == 1                                     # slices too shallow
 
 
 def test_runs_from_a_new_thread():

@@ -55,7 +55,9 @@ def linear_cost(name: str, m: int, n: int, k: int, elem: int, bias: bool = True,
 
 
 def forward_costs(cfg: ViTConfig, batch: int, elem: int) -> list[KernelCost]:
-    """Every kernel launch of one forward pass (blocks counted once, with count=depth)."""
+    """Every kernel launch of one forward pass (blocks counted once, with count=depth), as the model runs
+    them where no GEMM is split along K (kernels.split_k: fc2 at a few images, whose fp32 partial sums
+    move more bytes than this floor)."""
     t, d, f, depth = cfg.num_tokens, cfg.embed_dim, cfg.mlp_dim, cfg.depth
     m, k_patch = batch * t, cfg.in_chans * cfg.patch_size ** 2
     pixels = batch * cfg.in_chans * cfg.image_size ** 2

@@ -1,10 +1,16 @@
-"""LayerNorm over the last dimension: y = (x - mean) / sqrt(var + eps) * weight + bias.
+"""LayerNorm over the last dimension: y = (x - mean) / sqrt(var + eps) * weight + bias, optionally
+after adding to x the K-slice partial sums of a split GEMM (add_layer_norm).
 
-Layout: x [M, D] with unit stride along D (any row stride); weight, bias [D]; y [M, D] contiguous.
+Layout: x [M, D] with unit stride along D (any row stride); weight, bias [D]; y [M, D] contiguous;
+parts [S, M, D] fp32 contiguous.
 Each program normalises BLOCK_M rows held whole in registers: one read of x, one write of y;
 mean and variance are computed in fp32 from the registers (two-pass, no E[x^2] - E[x]^2).
+add_layer_norm first forms x + parts[0] + ... + parts[S-1] in fp32, rounds it once to x's dtype,
+writes it (the updated residual stream) and normalises that: the residual add of a split GEMM
+(linear_partials) costs no kernel of its own.
 
-Cost: about 8*M*D FLOPs; (2*M*D + 2*D) elements moved, so always memory-bound.
+Cost: about 8*M*D FLOPs; (2*M*D + 2*D) elements moved, so always memory-bound; add_layer_norm moves
+another M*D elements and S*M*D fp32 partial sums.
 """
 
 from __future__ import annotations
@@ -21,8 +27,9 @@ from ._common import (
 @triton.jit
 def _layer_norm_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
+    parts_ptr, sum_ptr,   # add_layer_norm only: the partial sums [NUM_PARTS, M, D], x + their sum [M, D]
     M, D, stride_xm, stride_ym, eps,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+    NUM_PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -31,6 +38,12 @@ def _layer_norm_kernel(
     mask = (rows < M)[:, None] & mask_d[None, :]
     rows = rows.to(tl.int64)[:, None]
     x = tl.load(x_ptr + rows * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if NUM_PARTS:
+        for s in tl.static_range(NUM_PARTS):
+            x += tl.load(parts_ptr + (s * M + rows) * D + cols[None, :], mask=mask, other=0.0)
+        x = cast(x, sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + rows * D + cols[None, :], x, mask=mask)
+        x = x.to(tl.float32)   # normalise the stream as stored, as the unsplit model does
     mean = tl.sum(x, axis=1) / D
     diff = tl.where(mask, x - mean[:, None], 0.0)
     rstd = 1.0 / tl.sqrt(tl.sum(diff * diff, axis=1) / D + eps)
@@ -51,14 +64,8 @@ def layer_norm(
 ) -> torch.Tensor:
     """LayerNorm of each row of a 2-D x [M, D] (unit stride along D) with weight, bias [D]."""
     check_device(x, weight, bias, out)
-    check_float("x", x)
-    if x.dim() != 2 or x.stride(1) != 1:
-        raise ValueError(f"x must be 2-D [M, D] with unit stride along D, got shape {tuple(x.shape)} "
-                         f"and strides {x.stride()}")
+    _check(x, weight, bias)
     M, D = x.shape
-    for name, t in (("weight", weight), ("bias", bias)):
-        check_shape(name, t, (D,))
-        check_dtype(name, t, x.dtype)
     if out is None:
         out = torch.empty((M, D), device=x.device, dtype=x.dtype)
     else:
@@ -66,13 +73,50 @@ def layer_norm(
         check_dtype("out", out, x.dtype)
         if out.stride(1) != 1:
             raise ValueError(f"out must have unit stride along D, got strides {out.stride()}")
+    _launch(x, weight, bias, out, eps, None, None)
+    return out
+
+
+def add_layer_norm(
+    x: torch.Tensor,
+    parts: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, LayerNorm(s)) for s = x + parts.sum(0), summed in fp32 and rounded once to x's dtype; x [M, D]
+    (unit stride along D), parts [S, M, D] float32 (linear_partials' output), weight, bias [D]."""
+    check_device(x, parts, weight, bias)
+    _check(x, weight, bias)
+    M, D = x.shape
+    if parts.dim() != 3 or tuple(parts.shape[1:]) != (M, D):
+        raise ValueError(f"parts must have shape [S, {M}, {D}], got {tuple(parts.shape)}")
+    check_dtype("parts", parts, torch.float32)
+    total = torch.empty((M, D), device=x.device, dtype=x.dtype)
+    out = torch.empty_like(total)
+    _launch(x, weight, bias, out, eps, parts.contiguous(), total)
+    return total, out
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> None:
+    check_float("x", x)
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"x must be 2-D [M, D] with unit stride along D, got shape {tuple(x.shape)} "
+                         f"and strides {x.stride()}")
+    for name, t in (("weight", weight), ("bias", bias)):
+        check_shape(name, t, (x.shape[1],))
+        check_dtype(name, t, x.dtype)
+
+
+def _launch(x, weight, bias, out, eps: float, parts: torch.Tensor | None, total: torch.Tensor | None) -> None:
+    M, D = x.shape
     block_d = triton.next_power_of_2(D)
     # About 4K elements a program: several rows when D is small, one 16-byte load a thread when large.
     block_m = max(1, min(4096 // block_d, triton.next_power_of_2(M)))
     num_warps = min(16, max(1, block_m * block_d // 512))
     _layer_norm_kernel[(triton.cdiv(M, block_m),)](
-        x, weight.contiguous(), bias.contiguous(), out,
+        x, weight.contiguous(), bias.contiguous(), out, parts, total,
         M, D, x.stride(0), out.stride(0), eps,
+        NUM_PARTS=0 if parts is None else parts.shape[0],
         BLOCK_M=block_m, BLOCK_D=block_d, num_warps=num_warps, **pdl(x.device, triton.cdiv(M, block_m)),
     )
-    return out

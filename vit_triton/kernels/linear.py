@@ -22,7 +22,14 @@ first load, a third of a GEMM's time at one image (benchmarks/NOTES.md).
 The launch config (tile, warps, stages, persistence) is chosen per shape by timing a short list of
 candidates (_tune.py), since the descriptors depend on it.
 
-Cost: 2*M*N*K FLOPs; at least (M*K + N*K + M*N [+ M*N residual]) elements moved (+ N bias).
+Split K (linear_partials): a product too small to give every SM a tile (ViT-B/16's fc2 at one image:
+48 tiles of 64 x 64 on 132 SMs, each a 3072-deep loop) is cut into S slices along K, one program per
+tile and slice, each writing its fp32 partial sum to parts [S, M, N] (slice 0 adds the bias). No
+program waits for another: the reader of the product (layer_norm's add_layer_norm, which also adds
+the residual) sums the slices.
+
+Cost: 2*M*N*K FLOPs; at least (M*K + N*K + M*N [+ M*N residual]) elements moved (+ N bias); split K
+writes S*M*N fp32 partial sums instead of M*N outputs.
 """
 
 from __future__ import annotations
@@ -121,6 +128,7 @@ def _linear_kernel(
     stride_xm, stride_wn, stride_rm, stride_ym, scale,
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_SCALE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    SPLIT_K: tl.constexpr,   # > 1: y is a pointer to fp32 partial sums [SPLIT_K, M, N], no epilogue but the bias
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     if PREFETCH:
@@ -135,17 +143,27 @@ def _linear_kernel(
     wait_for_previous_kernel(PDL)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_m * num_n
+    # Every slice runs the same number of K steps (the last one's past K read zeros): a loop-invariant
+    # trip count keeps the two loops one flat pipeline.
+    slice_steps = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
     offs_k = tl.arange(0, BLOCK_K)
-    # Each program walks tiles pid, pid + grid, ...; flattening the two loops lets the pipeliner
-    # issue the next tile's first loads while this tile's epilogue runs.
-    for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=True):
+    # Each program walks (tile, slice) items pid, pid + grid, ...; flattening the two loops lets the
+    # pipeliner issue the next tile's first loads while this tile's epilogue runs.
+    for item in tl.range(tl.program_id(0), num_tiles * SPLIT_K, tl.num_programs(0), flatten=True):
+        tile = item % num_tiles
+        if SPLIT_K > 1:
+            split = item // num_tiles
+        else:
+            split = 0
         pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_m = offs_m < M
         mask_n = offs_n < N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, tl.cdiv(K, BLOCK_K)):
+        for step in range(0, slice_steps):
+            k = split * slice_steps + step
             if USE_TMA:  # the TMA zero-fills what lies outside [M, K] and [N, K]
                 a = x.load([pid_m * BLOCK_M, k * BLOCK_K])
                 bt = w.load([pid_n * BLOCK_N, k * BLOCK_K]).T
@@ -157,13 +175,13 @@ def _linear_kernel(
                              mask=mask_n[None, :] & (cols[:, None] < K), other=0.0)
             acc = mma(a, bt, acc, INPUT_PRECISION)
 
-        if tile + tl.num_programs(0) >= num_m * num_n:  # this program's last tile
+        if item + tl.num_programs(0) >= num_tiles * SPLIT_K:  # this program's last tile
             start_next_kernel(PDL)
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        if HAS_BIAS:  # once: slice 0 adds it
+            acc += tl.load(b_ptr + offs_n, mask=mask_n & (split == 0), other=0.0).to(tl.float32)[None, :]
         acc = _activation(acc, ACT)
         mask = mask_m[:, None] & mask_n[None, :]
-        rows = offs_m[:, None].to(tl.int64)
+        rows = (split * M + offs_m[:, None]).to(tl.int64)
         if HAS_RESIDUAL:
             if USE_TMA:
                 acc += r.load([pid_m * BLOCK_M, pid_n * BLOCK_N]).to(tl.float32)
@@ -171,7 +189,7 @@ def _linear_kernel(
                 acc += tl.load(r + rows * stride_rm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_SCALE:
             acc *= scale
-        if USE_TMA:  # the store is clipped to [M, N]
+        if USE_TMA and SPLIT_K == 1:  # the store is clipped to [M, N]
             y.store([pid_m * BLOCK_M, pid_n * BLOCK_N], cast(acc, y.dtype))
         else:
             tl.store(y + rows * stride_ym + offs_n[None, :], cast(acc, y.dtype.element_ty), mask=mask)
@@ -179,6 +197,22 @@ def _linear_kernel(
 
 # The tuner's disk cache is keyed by this file: a change to the kernel or the candidates starts afresh.
 _TUNER = Tuner("linear", Path(__file__).read_text())
+
+
+MAX_SPLITS = 4
+# split_k's rule (ViT-S/B/L on an H100, benchmarks/NOTES.md 22): 3 slices, each at least SPLIT_MIN_DEPTH
+# deep, for products of at most one 64 x 64 tile an SM (32 x 32 under the interpreter).
+SPLITS, SPLIT_MAX_TILES = 3, 1
+SPLIT_TILE, SPLIT_MIN_DEPTH = (INTERPRETER.block_m, INTERPRETER.block_k) if INTERPRET else (64, 512)
+
+
+def split_k(M: int, N: int, K: int, device: torch.device) -> int:
+    """How many K slices to cut x [M, K] @ W^T [K, N] into (linear_partials): SPLITS where K is deep
+    (each slice at least SPLIT_MIN_DEPTH) and the product has at most SPLIT_MAX_TILES tiles an SM
+    (one wave or less, leaving SMs idle or each with one long K loop), else 1 (no split)."""
+    tiles = triton.cdiv(M, SPLIT_TILE) * triton.cdiv(N, SPLIT_TILE)
+    small = tiles <= SPLIT_MAX_TILES * num_programs(device)
+    return SPLITS if small and K >= SPLITS * SPLIT_MIN_DEPTH else 1
 
 
 def linear(
@@ -198,13 +232,56 @@ def linear(
     allow_tf32: for float32 inputs; None follows torch.get_float32_matmul_precision().
     out must not alias x or residual.
     """
-    check_device(x, weight, bias, residual, out)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    weight, bias = _checked(x, weight, bias, residual, out)
+    M, N = x.shape[0], weight.shape[0]
+    for name, t in (("residual", residual), ("out", out)):
+        if t is not None:
+            check_shape(name, t, (M, N))
+            check_dtype(name, t, x.dtype)
+            if t.stride(1) != 1:
+                raise ValueError(f"{name} must have unit stride along N, got strides {t.stride()}")
+    if out is None:
+        out = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    flags = dict(HAS_BIAS=bias is not None, ACT=activation, HAS_RESIDUAL=residual is not None,
+                 HAS_SCALE=scale != 1.0, INPUT_PRECISION=input_precision(x.dtype, allow_tf32),
+                 USE_TMA=tma_ready(x, weight, residual, out), SPLIT_K=1)
+    _tuned_launch(x, weight, bias, residual, out, scale, flags)
+    return out
+
+
+def linear_partials(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    splits: int,
+    *,
+    allow_tf32: bool | None = None,
+) -> torch.Tensor:
+    """x @ weight.T + bias as `splits` fp32 partial sums parts [splits, M, N] over consecutive slices of
+    K (parts[0] holds the bias): parts.sum(0) is the product. For products too small to fill the GPU
+    (split_k); layer_norm's add_layer_norm adds the parts to the residual stream."""
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"splits must be between 1 and {MAX_SPLITS}, got {splits}")
+    weight, bias = _checked(x, weight, bias)
+    M, N = x.shape[0], weight.shape[0]
+    parts = torch.empty((splits * M, N), device=x.device, dtype=torch.float32)   # the slices one above the other
+    flags = dict(HAS_BIAS=bias is not None, ACT="none", HAS_RESIDUAL=False, HAS_SCALE=False,
+                 INPUT_PRECISION=input_precision(x.dtype, allow_tf32), USE_TMA=tma_ready(x, weight, parts),
+                 SPLIT_K=splits)
+    _tuned_launch(x, weight, bias, None, parts, 1.0, flags)
+    return parts.view(splits, M, N)
+
+
+def _checked(x, weight, bias, *others):
+    """Checks x [M, K], weight [N, K], bias [N] (and that others share their device); returns weight
+    and bias as the kernel reads them."""
+    check_device(x, weight, bias, *others)
     check_float("x", x)
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be 2-D [M, K] with unit stride along K, got shape {tuple(x.shape)} "
                          f"and strides {x.stride()}")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     M, K = x.shape
     N = weight.shape[0]
     check_shape("weight", weight, (N, K))
@@ -214,42 +291,36 @@ def linear(
         check_shape("bias", bias, (N,))
         check_dtype("bias", bias, x.dtype)
         bias = bias.contiguous()
-    for name, t in (("residual", residual), ("out", out)):
-        if t is not None:
-            check_shape(name, t, (M, N))
-            check_dtype(name, t, x.dtype)
-            if t.stride(1) != 1:
-                raise ValueError(f"{name} must have unit stride along N, got strides {t.stride()}")
-    if out is None:
-        out = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    return weight, bias
 
-    flags = dict(HAS_BIAS=bias is not None, ACT=activation, HAS_RESIDUAL=residual is not None,
-                 HAS_SCALE=scale != 1.0, INPUT_PRECISION=input_precision(x.dtype, allow_tf32),
-                 USE_TMA=tma_ready(x, weight, residual, out))
 
+def _tuned_launch(x, weight, bias, residual, out, scale: float, flags: dict) -> None:
+    """Launches the kernel with the fastest candidate config for this shape and these flags."""
     def launch(config: Config) -> None:
         launch_linear(config, x, weight, bias, residual, out, scale, flags)
 
-    key = (M, N, K, str(x.dtype), *flags.values())
+    M, K = x.shape
+    key = (M, weight.shape[0], K, str(x.dtype), *flags.values())
     launch(_TUNER.pick(key, _candidates(M, x.dtype), launch, x.device))
-    return out
 
 
 def launch_linear(config: Config, x, weight, bias, residual, out, scale: float, flags: dict) -> None:
-    """One launch of the kernel with this config (checked inputs, flags as linear makes them)."""
+    """One launch of the kernel with this config (checked inputs, flags as linear or linear_partials
+    make them)."""
     M, K = x.shape
     N = weight.shape[0]
     bm, bn, bk, warps, stages, persistent = config
+    splits = flags["SPLIT_K"]
     if flags["USE_TMA"]:
         x_arg = TensorDescriptor.from_tensor(x, [bm, bk])
         w_arg = TensorDescriptor.from_tensor(weight, [bn, bk])
         r_arg = None if residual is None else TensorDescriptor.from_tensor(residual, [bm, bn])
-        y_arg = TensorDescriptor.from_tensor(out, [bm, bn])
+        y_arg = TensorDescriptor.from_tensor(out, [bm, bn]) if splits == 1 else out
     else:
         x_arg, w_arg, r_arg, y_arg = x, weight, residual, out
-    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
-    launch_pdl = pdl(x.device, tiles)
-    grid = (min(tiles, num_programs(x.device) * persistent) if persistent else tiles,)
+    items = triton.cdiv(M, bm) * triton.cdiv(N, bn) * splits
+    launch_pdl = pdl(x.device, items)
+    grid = (min(items, num_programs(x.device) * persistent) if persistent else items,)
     _linear_kernel[grid](
         x_arg, w_arg, bias, r_arg, y_arg, weight,
         M, N, K, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), scale,

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops import fused_attention, layer_norm, linear, patch_embed, token_mean
+from ..kernels import split_k
+from ..ops import add_layer_norm, fused_attention, layer_norm, linear, linear_partials, patch_embed, token_mean
 from .config import ViTConfig
 
 
@@ -23,6 +24,13 @@ class LayerNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return layer_norm(x, self.weight, self.bias, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, parts: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x', LayerNorm(x')) for x' = x + parts.sum(0): the residual update a split GEMM left to this
+        norm (Linear.add_to), one kernel; x' = x when parts is None."""
+        if parts is None:
+            return x, self(x)
+        return add_layer_norm(x, parts, self.weight, self.bias, self.eps)
 
 
 class Linear(nn.Module):
@@ -38,6 +46,16 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
         return linear(x, self.weight, self.bias, activation=self.activation, residual=residual, scale=scale)
 
+    def add_to(self, x: torch.Tensor, residual: torch.Tensor,
+               defer: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """residual + self(x) as (stream, parts): parts None and the sum done in the GEMM's epilogue, or,
+        for a product too small to fill the GPU (kernels.split_k) when defer, the residual unchanged
+        and the product as K-slice partial sums for the next LayerNorm to add (LayerNorm.add_and_norm)."""
+        splits = split_k(x.shape[0], self.weight.shape[0], x.shape[1], x.device) if defer else 1
+        if splits == 1:
+            return self(x, residual=residual), None
+        return residual, linear_partials(x, self.weight, self.bias, splits)
+
 
 class PatchEmbed(nn.Module):
     def __init__(self, cfg: ViTConfig, **factory) -> None:
@@ -49,7 +67,8 @@ class PatchEmbed(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block; x is the [B*T, D] token matrix, updated by residual epilogues."""
+    """Pre-norm transformer block on the residual stream, the [B*T, D] token matrix, updated by the
+    residual epilogues of proj and fc2 or, where those GEMMs are split along K, by the next norm."""
 
     def __init__(self, cfg: ViTConfig, **factory) -> None:
         super().__init__()
@@ -62,13 +81,17 @@ class Block(nn.Module):
         self.fc1 = Linear(d, cfg.mlp_dim, activation=cfg.act, **factory)
         self.fc2 = Linear(cfg.mlp_dim, d, **factory)
 
-    def forward(self, x: torch.Tensor, batch: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, parts: torch.Tensor | None, batch: int,
+                defer: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(x, parts) -> (x, parts): the stream is x + parts.sum(0) (parts: fc2's partial sums of the block
+        before, or None). defer=False: the stream comes back whole (parts None)."""
         tokens, d = x.shape[0] // batch, x.shape[1]
+        x, h = self.norm1.add_and_norm(x, parts)
         # The QKV GEMM's [B*T, 3D] output is read in place as q, k, v [B, T, H, Dh] views.
-        qkv = self.qkv(self.norm1(x)).view(batch, tokens, 3, self.num_heads, d // self.num_heads)
+        qkv = self.qkv(h).view(batch, tokens, 3, self.num_heads, d // self.num_heads)
         attn = fused_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2])
-        x = self.proj(attn.view(batch * tokens, d), residual=x)
-        return self.fc2(self.fc1(self.norm2(x)), residual=x)
+        x, h = self.norm2.add_and_norm(*self.proj.add_to(attn.view(batch * tokens, d), x))
+        return self.fc2.add_to(self.fc1(h), x, defer)
 
 
 class ViT(nn.Module):
@@ -120,10 +143,12 @@ class ViT(nn.Module):
         x = tokens.view(batch * num_tokens, d)
         if self.norm_pre is not None:
             x = self.norm_pre(x)
-        for block in self.blocks:
-            x = block(x, batch)
+        parts = None
+        for i, block in enumerate(self.blocks):
+            # The last fc2 leaves its sum to the final norm, if there is one.
+            x, parts = block(x, parts, batch, defer=self.norm is not None or i < len(self.blocks) - 1)
         if self.norm is not None:
-            x = self.norm(x)
+            x = self.norm.add_and_norm(x, parts)[1]
         return x.view(batch, num_tokens, d)
 
     def forward_head(self, features: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
