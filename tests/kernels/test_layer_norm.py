@@ -60,10 +60,12 @@ def add_then(fn):
 
 
 @each_dtype
-@pytest.mark.parametrize("m, d, splits", [(1, 32, 1), (37, 80, 2), (197, 768, 3), (5, 1000, 4)])
-def test_add_layer_norm(dtype, m, d, splits):
-    # The residual stream x (with a mean offset) plus the fp32 partial sums of a split GEMM.
-    x, w, b = inputs(m, d, dtype)
+@pytest.mark.parametrize("m, d, splits, row_stride", [(1, 32, 1, None), (37, 80, 2, 89), (197, 768, 3, None),
+                                                      (5, 1000, 4, 1003)])
+def test_add_layer_norm(dtype, m, d, splits, row_stride):
+    # The residual stream x (with a mean offset; rows row_stride apart when given) plus the fp32
+    # partial sums of a split GEMM.
+    x, w, b = inputs(m, d, dtype, row_stride)
     parts = rand(splits, m, d, dtype=torch.float32)
     total, y = add_layer_norm(x, parts, w, b, 1e-6)
     check(total, add_then(lambda s: s), x, parts)

@@ -157,8 +157,9 @@ PARTIAL_SHAPES = [(1, 7, 3, 1), (37, 45, 100, 2), (197, 96, 384, 3), (70, 33, 25
 @pytest.mark.parametrize("m, n, k, splits", PARTIAL_SHAPES)
 def test_partial_sums_add_up_to_the_product(dtype, bias, m, n, k, splits):
     # K not a multiple of the slices' depth: the last slice runs past K (and reads zeros), or has no
-    # K at all (33 deep in 4 slices of 32-deep steps); the bias lies in slice 0 only.
-    x, w, b, _ = inputs(m, n, k, dtype, bias, residual=False)
+    # K at all (33 deep in 4 slices of 32-deep steps); the bias lies in slice 0 only. Without a bias,
+    # x is read in place from a strided view.
+    x, w, b, _ = inputs(m, n, k, dtype, bias, residual=False, strided=not bias)
     parts = linear_partials(x, w, b, splits)
     assert parts.shape == (splits, m, n) and parts.dtype == torch.float32
     check(parts.sum(0).to(dtype), torch_linear("none"), x, w, b, None)
