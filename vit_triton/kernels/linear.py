@@ -181,7 +181,7 @@ def _linear_kernel(
             acc += tl.load(b_ptr + offs_n, mask=mask_n & (split == 0), other=0.0).to(tl.float32)[None, :]
         acc = _activation(acc, ACT)
         mask = mask_m[:, None] & mask_n[None, :]
-        rows = (split * M + offs_m[:, None]).to(tl.int64)
+        rows = offs_m[:, None].to(tl.int64)
         if HAS_RESIDUAL:
             if USE_TMA:
                 acc += r.load([pid_m * BLOCK_M, pid_n * BLOCK_N]).to(tl.float32)
@@ -192,7 +192,8 @@ def _linear_kernel(
         if USE_TMA and SPLIT_K == 1:  # the store is clipped to [M, N]
             y.store([pid_m * BLOCK_M, pid_n * BLOCK_N], cast(acc, y.dtype))
         else:
-            tl.store(y + rows * stride_ym + offs_n[None, :], cast(acc, y.dtype.element_ty), mask=mask)
+            # Split K: slice `split` of the partial sums is rows split*M... of y viewed as [SPLIT_K*M, N].
+            tl.store(y + (rows + split * M) * stride_ym + offs_n[None, :], cast(acc, y.dtype.element_ty), mask=mask)
 
 
 # The tuner's disk cache is keyed by this file: a change to the kernel or the candidates starts afresh.
