@@ -1,13 +1,15 @@
 """Parity on a CUDA device at real model shapes, with random weights.
 
 google/vit-base-patch16-224 (HF ViTForImageClassification) and vit_large_patch14_clip_336 (timm),
-float32 (tf32 off) / bfloat16 / float16, batch 1 and 64. Features and outputs of vit-triton and
-of the reference model in each dtype are compared with the reference model in float64; the
-DESIGN.md rule applies (fp32 <= 1e-5, 16-bit <= 1.5x the reference's own error). Each row also
+float32 (tf32 off) / tf32 (float32 with every matmul, ours and the reference's, on tf32) / bfloat16 /
+float16, batch 1 and 64. Features and outputs of vit-triton and of the reference model in each
+precision are compared with the reference model in float64; the DESIGN.md rule applies (fp32 <= 1e-5,
+16-bit and tf32 <= 1.5x the reference's own error). Each row also
 times both forwards (median, CUDA events; ours replayed as a CUDA graph, after checking that the
 replay equals the eager forward bit for bit) as a first look; `vit-triton bench` is the benchmark.
 
-    python scripts/gpu_check.py [--json results.json]
+    python scripts/gpu_check.py [--json results.json] [--models vit-base,clip-large]
+        [--precisions float32,tf32,bfloat16,float16] [--batches 1,64]
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import sys
+from pathlib import Path
 
 import torch
 import triton.testing
@@ -23,7 +27,7 @@ import triton.testing
 import vit_triton
 from vit_triton.bench.numerics import randomize_, rel_err, tolerance
 
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+PRECISIONS = {"float32": torch.float32, "tf32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BATCHES = (1, 64)
 
 
@@ -47,16 +51,24 @@ def timm_clip_large() -> tuple[str, torch.nn.Module, callable, callable]:
             lambda m, px: (f := m.forward_features(px), m.forward_head(f)))
 
 
-def check_model(name, ref32, convert, run_ref, rows) -> None:
+def set_tf32(on: bool) -> None:
+    """Every float32 matmul and convolution, ours and PyTorch's, on tf32 (on) or exact (off)."""
+    torch.set_float32_matmul_precision("high" if on else "highest")
+    torch.backends.cudnn.allow_tf32 = on
+
+
+def check_model(name, ref32, convert, run_ref, rows, precisions, batches, save) -> None:
     device = torch.device("cuda")
     ref32 = ref32.to(device)
     ref64 = copy.deepcopy(ref32).double()
     size = ref32.config.image_size if hasattr(ref32, "config") else ref32.patch_embed.img_size[0]
-    for batch in BATCHES:
+    for batch in batches:
         px = torch.randn(batch, 3, size, size, device=device)
         with torch.inference_mode():
             want = run_ref(ref64, px.double())
-        for dtype in DTYPES:
+        for precision in precisions:
+            dtype = PRECISIONS[precision]
+            set_tf32(precision == "tf32")
             ref = copy.deepcopy(ref32).to(dtype)
             ours = convert(ref)
             x = px.to(dtype)
@@ -71,34 +83,51 @@ def check_model(name, ref32, convert, run_ref, rows) -> None:
             for what, g, t, w in zip(("features", "output"), got, theirs, want):
                 err, ref_err = rel_err(g, w), rel_err(t, w)
                 tol = tolerance(dtype, ref_err)
-                rows.append(dict(model=name, batch=batch, dtype=str(dtype).removeprefix("torch."), what=what,
+                rows.append(dict(model=name, batch=batch, dtype=precision, what=what,
                                  err=err, ref_err=ref_err, tol=tol, ok=err <= tol,
                                  ms_ours=ms_ours, ms_ref=ms_ref))
                 r = rows[-1]
                 print(f"{name:28s} b={batch:<3d} {r['dtype']:9s} {what:8s} err {err:.2e}  ref {ref_err:.2e}  "
                       f"tol {tol:.2e}  {'ok' if r['ok'] else 'FAIL'}   ours {ms_ours:8.3f} ms  ref {ms_ref:8.3f} ms",
                       flush=True)
+            save()
             del ref, ours
+
+
+MODELS = {"vit-base": hf_vit_base, "clip-large": timm_clip_large}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the rows here as JSON")
+    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated, from " + ", ".join(MODELS))
+    parser.add_argument("--precisions", default=",".join(PRECISIONS),
+                        help="comma-separated, from " + ", ".join(PRECISIONS))
+    parser.add_argument("--batches", default=",".join(map(str, BATCHES)), help="comma-separated batch sizes")
     args = parser.parse_args()
+    models, precisions = args.models.split(","), args.precisions.split(",")
+    for what, chosen, known in (("model", models, MODELS), ("precision", precisions, PRECISIONS)):
+        for name in chosen:
+            if name not in known:
+                parser.error(f"unknown {what} {name!r}: expected one of {', '.join(known)}")
+    batches = [int(b) for b in args.batches.split(",")]
     if not torch.cuda.is_available():
         print("gpu_check needs a CUDA device", file=sys.stderr)
         return 2
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
     torch.manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     rows: list[dict] = []
-    for make in (hf_vit_base, timm_clip_large):
-        check_model(*make(), rows)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                           triton=triton.__version__, rows=rows), f, indent=1)
+
+    def save() -> None:
+        """The rows so far, replaced atomically: a run cut short keeps what it checked."""
+        if args.json:
+            tmp = Path(args.json + ".tmp")
+            tmp.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                                           triton=triton.__version__, rows=rows), indent=1))
+            os.replace(tmp, args.json)
+
+    for name in models:
+        check_model(*MODELS[name](), rows, precisions, batches, save)
     failed = [r for r in rows if not r["ok"]]
     print(f"{len(rows) - len(failed)}/{len(rows)} within tolerance")
     return 1 if failed else 0

@@ -25,6 +25,7 @@ from vit_triton.kernels._common import PDL_EARLY, PDL_LATE  # noqa: E402
 from vit_triton.kernels._tune import Config  # noqa: E402
 from vit_triton.kernels.linear import ACTIVATIONS, FLOAT32, LARGE_M, TINY_M, _linear_kernel  # noqa: E402
 from vit_triton.kernels.patch_embed import _patch_embed_kernel  # noqa: E402
+from vit_triton.kernels.tf32 import _round_to_tf32_kernel  # noqa: E402
 from vit_triton.kernels.token_mean import _token_mean_kernel  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -73,7 +74,7 @@ def linear_case(name: str, dtype: str, config: Config, pdl: int = PDL_LATE, spli
     """linear with this launch config, prefetching its weights; USE_TMA passes x, w, r and y (but
     split K's fp32 partial sums) as descriptors of its tiles."""
     bm, bn, bk, warps, stages, _ = config
-    constexprs = dict(flags, PDL=pdl, PREFETCH=True, SPLIT_K=split_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8)
+    constexprs = dict(dict(X_TF32=False, W_TF32=False, Y_TF32=False) | flags, PDL=pdl, PREFETCH=True, SPLIT_K=split_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8)
     descriptors = dict(x=(bm, bk), w=(bn, bk), r=(bm, bn), y=(bm, bn)) if flags["USE_TMA"] else None
     if descriptors and not flags["HAS_RESIDUAL"]:
         del descriptors["r"]
@@ -97,20 +98,30 @@ def cases():
             yield linear_case(f"linear{'-tma' * tma}{'-split' * (split_k > 1)}-early", dtype, TINY_M[0], PDL_EARLY,
                               split_k, HAS_BIAS=True, ACT="none", HAS_RESIDUAL=False, HAS_SCALE=False,
                               INPUT_PRECISION="ieee", USE_TMA=tma)
-        yield ("fused_attention", _attention_kernel, dtype, {}, dict(HEAD_DIM=80, BLOCK_D=128, INPUT_PRECISION="ieee"),
-               None)
+        yield ("fused_attention", _attention_kernel, dtype, {}, dict(HEAD_DIM=80, BLOCK_D=128, INPUT_PRECISION="ieee",
+                                                                     QKV_TF32=False, O_TF32=False), None)
         yield ("patch_embed", _patch_embed_kernel, dtype, {}, dict(
             PATCH=16, HAS_BIAS=True, HAS_PREFIX=True, HAS_POS=True, POS_HAS_PREFIX=dtype != "fp16",
-            INPUT_PRECISION="ieee"), None)
+            INPUT_PRECISION="ieee", W_TF32=False), None)
         for parts in (0, 2) if dtype == "bf16" else (0,):   # 2: add_layer_norm after a GEMM split in two
             yield (f"layer_norm{'-add' * (parts > 0)}", _layer_norm_kernel, dtype, {"num_warps": 8},
-                   dict(NUM_PARTS=parts, BLOCK_M=4, BLOCK_D=1024), None)
+                   dict(NUM_PARTS=parts, Y_TF32=False, BLOCK_M=4, BLOCK_D=1024), None)
         yield ("token_mean", _token_mean_kernel, dtype, {"num_warps": 4}, dict(BLOCK_T=16, BLOCK_D=256), None)
-    for tma in (False, True):
+    # tf32: operands rounded in the kernel, or beforehand (the weight by round_to_tf32, x by the kernel
+    # that wrote it, the output for the kernel that reads it).
+    for tma, pre in itertools.product((False, True), (False, True)):
         yield linear_case("linear-tma" if tma else "linear", "tf32", FLOAT32[0], HAS_BIAS=True, ACT="gelu",
-                          HAS_RESIDUAL=True, HAS_SCALE=False, INPUT_PRECISION="tf32", USE_TMA=tma)
-    yield ("fused_attention", _attention_kernel, "tf32", {}, dict(HEAD_DIM=64, BLOCK_D=64, INPUT_PRECISION="tf32"),
-           None)
+                          HAS_RESIDUAL=True, HAS_SCALE=False, INPUT_PRECISION="tf32", X_TF32=pre, W_TF32=pre,
+                          Y_TF32=pre, USE_TMA=tma)
+    yield ("patch_embed", _patch_embed_kernel, "tf32", {}, dict(
+        PATCH=16, HAS_BIAS=True, HAS_PREFIX=True, HAS_POS=True, POS_HAS_PREFIX=True, INPUT_PRECISION="tf32",
+        W_TF32=True), None)
+    yield ("round_to_tf32", _round_to_tf32_kernel, "tf32", {"num_warps": 8}, dict(BLOCK=4096), None)
+    for pre in (False, True):
+        yield ("fused_attention", _attention_kernel, "tf32", {}, dict(HEAD_DIM=64, BLOCK_D=64, INPUT_PRECISION="tf32",
+                                                                      QKV_TF32=pre, O_TF32=pre), None)
+    yield ("layer_norm", _layer_norm_kernel, "tf32", {"num_warps": 8}, dict(NUM_PARTS=2, Y_TF32=True, BLOCK_M=4,
+                                                                            BLOCK_D=1024), None)
 
 
 def main() -> None:

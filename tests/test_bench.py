@@ -84,6 +84,24 @@ def test_a_failing_peer_is_recorded_not_fatal(tmp_path, monkeypatch):
     assert result["speedup"] == {}
 
 
+def test_exact_fp32_timm_runs_its_matmuls_exact_in_a_tf32_run(monkeypatch):
+    seen = []
+    systems, _, _ = build_systems(CFG, torch.float32, CPU, ("vit-triton", "timm", "timm:exact-fp32"))
+    exact = next(s for s in systems if s.name == "timm:exact-fp32")
+    monkeypatch.setattr(torch.nn.functional, "linear",
+                        lambda *a, f=torch.nn.functional.linear: seen.append(torch.get_float32_matmul_precision())
+                        or f(*a))
+    torch.set_float32_matmul_precision("high")
+    try:
+        exact.run(torch.randn(1, 3, CFG.image_size, CFG.image_size))
+        assert torch.get_float32_matmul_precision() == "high"   # the run's precision, restored
+    finally:
+        torch.set_float32_matmul_precision("highest")
+    assert seen and set(seen) == {"highest"}
+    skipped = build_systems(CFG, torch.bfloat16, CPU, ("vit-triton", "timm:exact-fp32"))[0]
+    assert [(s.name, s.run, s.note) for s in skipped][-1] == ("timm:exact-fp32", None, "float32 runs only")
+
+
 def test_roofline_rows(tmp_path):
     cfg = PRESETS["tiny"]
     _, _, ours = build_systems(cfg, torch.float32, CPU, ("vit-triton",))

@@ -7,7 +7,9 @@ import sys
 import pytest
 import torch
 
+from tests.kernels.checks import tf32_matmuls
 from tests.numerics import DEVICE, assert_close, randomize_
+from vit_triton import ops
 from vit_triton.model import ViT, ViTConfig, vit
 from vit_triton.model.reference import reference_forward
 
@@ -63,6 +65,26 @@ def test_forward_with_split_residual_gemms(monkeypatch, variant, splits):
     deferred_last = model.norm is not None
     fc2_deferred = [(m, d, cfg.mlp_dim)] * deferred_last
     assert asked == [(m, d, d), (m, d, cfg.mlp_dim)] * (cfg.depth - 1) + [(m, d, d)] + fc2_deferred
+
+
+@pytest.mark.parametrize("variant", ["cls-head", "clip-pre_norm-no_patch_bias"])
+def test_tf32_operands_rounded_by_their_producers_change_no_bit(monkeypatch, variant):
+    # With float32 matmuls on tf32, the norms, qkv, attention and fc1 store their outputs rounded to tf32
+    # and the GEMMs and attention after them do not round again: the same bits as every kernel rounding
+    # its own operands.
+    model = _model(torch.float32, **VARIANTS[variant])
+    pixels = torch.randn(2, 3, model.config.image_size, model.config.image_size, device=DEVICE)
+    with tf32_matmuls():
+        rounded_once = model(pixels)
+        flagged = [m for m in model.modules() if isinstance(m, (vit.Linear, vit.LayerNorm))
+                   and (getattr(m, "tf32_input", False) or m.tf32_output)]
+        assert len(flagged) == 6 * model.config.depth   # norm1, qkv, proj, norm2, fc1 and fc2 of each block
+        for m in flagged:
+            m.tf32_output = False
+            if isinstance(m, vit.Linear):
+                m.tf32_input = False
+        monkeypatch.setattr(vit, "fused_attention", lambda q, k, v, **flags: ops.fused_attention(q, k, v))
+        assert torch.equal(model(pixels), rounded_once)
 
 
 def test_distilled_pre_logits_is_the_mean_of_class_and_distillation_tokens():

@@ -1,9 +1,12 @@
 """The torch.library ops: their fake (meta) functions agree with the kernels, and torch.compile
 traces a whole model into one graph whose output equals the eager forward bit for bit."""
 
+import contextlib
+
 import pytest
 import torch
 
+from tests.kernels.checks import tf32_matmuls
 from tests.numerics import DEVICE, randomize_
 from vit_triton import ops
 from vit_triton.model import ViT, ViTConfig
@@ -19,17 +22,27 @@ def _qkv(B, T, H, Dh):
     return _r(B, T, 3, H, Dh).unbind(2)   # strided views, as the model passes them
 
 
+F32 = torch.float32
 CASES = {
-    "linear": (ops._linear, lambda: (_r(37, 48), _r(40, 48), _r(40), "gelu", _r(37, 40), 0.5)),
-    "linear-no-bias": (ops._linear, lambda: (_r(5, 32, dtype=torch.float32), _r(24, 32, dtype=torch.float32),
-                                             None, "none", None, 1.0)),
-    "linear-strided-x": (ops._linear, lambda: (_r(9, 3, 32)[:, 1], _r(16, 32), _r(16), "quick_gelu", None, 1.0)),
-    "linear_partials": (ops._linear_partials, lambda: (_r(37, 48), _r(40, 48), _r(40), 3)),
-    "layer_norm": (ops._layer_norm, lambda: (_r(21, 40), _r(40), _r(40), 1e-6)),
-    "add_layer_norm": (ops._add_layer_norm, lambda: (_r(21, 40), _r(2, 21, 40, dtype=torch.float32), _r(40), _r(40),
-                                                     1e-6)),
-    "fused_attention": (ops._fused_attention, lambda: (*_qkv(2, 19, 3, 16), None)),
-    "fused_attention-scale": (ops._fused_attention, lambda: (*_qkv(1, 5, 2, 32), 0.3)),
+    "linear": (ops._linear, lambda: (_r(37, 48), _r(40, 48), _r(40), "gelu", _r(37, 40), 0.5, False, False)),
+    "linear-no-bias": (ops._linear, lambda: (_r(5, 32, dtype=F32), _r(24, 32, dtype=F32), None, "none", None, 1.0,
+                                             False, False)),
+    "linear-strided-x": (ops._linear, lambda: (_r(9, 3, 32)[:, 1], _r(16, 32), _r(16), "quick_gelu", None, 1.0,
+                                               False, False)),
+    "linear-tf32": (ops._linear, lambda: (_r(37, 48, dtype=F32), _r(40, 48, dtype=F32), _r(40, dtype=F32), "gelu",
+                                          None, 1.0, True, True)),
+    "linear_partials": (ops._linear_partials, lambda: (_r(37, 48), _r(40, 48), _r(40), 3, False)),
+    "linear_partials-tf32": (ops._linear_partials, lambda: (_r(37, 48, dtype=F32), _r(40, 48, dtype=F32), None, 2,
+                                                            True)),
+    "layer_norm": (ops._layer_norm, lambda: (_r(21, 40), _r(40), _r(40), 1e-6, False)),
+    "layer_norm-tf32": (ops._layer_norm, lambda: (_r(21, 40, dtype=F32), _r(40, dtype=F32), _r(40, dtype=F32), 1e-6,
+                                                  True)),
+    "add_layer_norm": (ops._add_layer_norm, lambda: (_r(21, 40), _r(2, 21, 40, dtype=F32), _r(40), _r(40), 1e-6,
+                                                     False)),
+    "fused_attention": (ops._fused_attention, lambda: (*_qkv(2, 19, 3, 16), None, False, False)),
+    "fused_attention-scale": (ops._fused_attention, lambda: (*_qkv(1, 5, 2, 32), 0.3, False, False)),
+    "fused_attention-tf32": (ops._fused_attention, lambda: (*[t.float() for t in _qkv(2, 7, 2, 16)], None, True,
+                                                            True)),
     "patch_embed": (ops._patch_embed, lambda: (_r(2, 3, 16, 24, dtype=torch.float32), _r(32, 3, 8, 8), _r(32),
                                                _r(7, 32), _r(1, 32))),
     "patch_embed-bare": (ops._patch_embed, lambda: (_r(1, 3, 8, 8), _r(16, 3, 4, 4), None, None, None)),
@@ -41,13 +54,15 @@ CASES = {
 def test_op_registration(case):
     """Schema, fake tensor (shape, dtype, strides) and dispatch, as torch.library checks them."""
     op, make = CASES[case]
-    torch.library.opcheck(op, make(), test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+    with tf32_matmuls() if case.endswith("-tf32") else contextlib.nullcontext():
+        torch.library.opcheck(op, make(), test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
 
 
 def test_eager_calls_skip_the_dispatcher_and_agree_with_it():
     x, w, b = _r(13, 32), _r(24, 32), _r(24)
     direct = ops.linear(x, w, b, activation="gelu")
-    torch.testing.assert_close(direct, torch.ops.vit_triton.linear(x, w, b, "gelu", None, 1.0), rtol=0, atol=0)
+    torch.testing.assert_close(direct, torch.ops.vit_triton.linear(x, w, b, "gelu", None, 1.0, False, False), rtol=0,
+                               atol=0)
 
 
 @pytest.mark.parametrize("cfg", [

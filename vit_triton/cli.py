@@ -59,8 +59,10 @@ def _parser() -> argparse.ArgumentParser:
                             "(torch.set_float32_matmul_precision('high')); fp32 keeps them exact "
                             "(default: %(default)s)")
     bench.add_argument("--systems", default=None,
-                       help="comma-separated subset of vit-triton,vit-triton+cudagraph,hf,timm,timm+compile:default,"
-                            "timm+compile:max-autotune-no-cudagraphs,timm+compile:reduce-overhead (default: all)")
+                       help="comma-separated subset of vit-triton,vit-triton+cudagraph,hf,timm,timm:exact-fp32,"
+                            "timm+compile:default,timm+compile:max-autotune-no-cudagraphs,"
+                            "timm+compile:reduce-overhead (default: all); timm:exact-fp32 is timm with exact "
+                            "float32 matmuls (PyTorch's default), for a float32 or tf32 run")
     bench.add_argument("--kernels", action="store_true",
                        help="time each kernel of one forward pass (at the largest batch size) against PyTorch "
                             "and place it on a roofline, with a per-kernel breakdown of one forward")

@@ -24,52 +24,55 @@ from . import kernels
 
 @torch.library.custom_op("vit_triton::linear", mutates_args=())
 def _linear(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str, residual: Tensor | None,
-            scale: float) -> Tensor:
-    return kernels.linear(x, weight, bias, activation=activation, residual=residual, scale=scale)
+            scale: float, tf32_input: bool, tf32_output: bool) -> Tensor:
+    return kernels.linear(x, weight, bias, activation=activation, residual=residual, scale=scale,
+                          tf32_input=tf32_input, tf32_output=tf32_output)
 
 
 @_linear.register_fake
-def _(x, weight, bias, activation, residual, scale):
+def _(x, weight, bias, activation, residual, scale, tf32_input, tf32_output):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
 @torch.library.custom_op("vit_triton::layer_norm", mutates_args=())
-def _layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
-    return kernels.layer_norm(x, weight, bias, eps)
+def _layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float, tf32_output: bool) -> Tensor:
+    return kernels.layer_norm(x, weight, bias, eps, tf32_output=tf32_output)
 
 
 @_layer_norm.register_fake
-def _(x, weight, bias, eps):
+def _(x, weight, bias, eps, tf32_output):
     return x.new_empty(x.shape)
 
 
 @torch.library.custom_op("vit_triton::linear_partials", mutates_args=())
-def _linear_partials(x: Tensor, weight: Tensor, bias: Tensor | None, splits: int) -> Tensor:
-    return kernels.linear_partials(x, weight, bias, splits)
+def _linear_partials(x: Tensor, weight: Tensor, bias: Tensor | None, splits: int, tf32_input: bool) -> Tensor:
+    return kernels.linear_partials(x, weight, bias, splits, tf32_input=tf32_input)
 
 
 @_linear_partials.register_fake
-def _(x, weight, bias, splits):
+def _(x, weight, bias, splits, tf32_input):
     return x.new_empty((splits, x.shape[0], weight.shape[0]), dtype=torch.float32)
 
 
 @torch.library.custom_op("vit_triton::add_layer_norm", mutates_args=())
-def _add_layer_norm(x: Tensor, parts: Tensor, weight: Tensor, bias: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    return kernels.add_layer_norm(x, parts, weight, bias, eps)
+def _add_layer_norm(x: Tensor, parts: Tensor, weight: Tensor, bias: Tensor, eps: float,
+                    tf32_output: bool) -> tuple[Tensor, Tensor]:
+    return kernels.add_layer_norm(x, parts, weight, bias, eps, tf32_output=tf32_output)
 
 
 @_add_layer_norm.register_fake
-def _(x, parts, weight, bias, eps):
+def _(x, parts, weight, bias, eps, tf32_output):
     return x.new_empty(x.shape), x.new_empty(x.shape)
 
 
 @torch.library.custom_op("vit_triton::fused_attention", mutates_args=())
-def _fused_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> Tensor:
-    return kernels.fused_attention(q, k, v, scale=scale)
+def _fused_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None, tf32_input: bool,
+                     tf32_output: bool) -> Tensor:
+    return kernels.fused_attention(q, k, v, scale=scale, tf32_input=tf32_input, tf32_output=tf32_output)
 
 
 @_fused_attention.register_fake
-def _(q, k, v, scale):
+def _(q, k, v, scale, tf32_input, tf32_output):
     return q.new_empty(q.shape)
 
 
@@ -98,39 +101,43 @@ def _(x, start):
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, activation: str = "none",
-           residual: Tensor | None = None, scale: float = 1.0) -> Tensor:
+           residual: Tensor | None = None, scale: float = 1.0, tf32_input: bool = False,
+           tf32_output: bool = False) -> Tensor:
     """kernels.linear: scale * (activation(x @ weight.T + bias) + residual)."""
     if torch.compiler.is_compiling():
-        return _linear(x, weight, bias, activation, residual, scale)
-    return kernels.linear(x, weight, bias, activation=activation, residual=residual, scale=scale)
+        return _linear(x, weight, bias, activation, residual, scale, tf32_input, tf32_output)
+    return kernels.linear(x, weight, bias, activation=activation, residual=residual, scale=scale,
+                          tf32_input=tf32_input, tf32_output=tf32_output)
 
 
-def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
+def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float, *, tf32_output: bool = False) -> Tensor:
     """kernels.layer_norm: LayerNorm of each row of x [M, D]."""
     if torch.compiler.is_compiling():
-        return _layer_norm(x, weight, bias, eps)
-    return kernels.layer_norm(x, weight, bias, eps)
+        return _layer_norm(x, weight, bias, eps, tf32_output)
+    return kernels.layer_norm(x, weight, bias, eps, tf32_output=tf32_output)
 
 
-def linear_partials(x: Tensor, weight: Tensor, bias: Tensor | None, splits: int) -> Tensor:
+def linear_partials(x: Tensor, weight: Tensor, bias: Tensor | None, splits: int, *, tf32_input: bool = False) -> Tensor:
     """kernels.linear_partials: x @ weight.T + bias as fp32 partial sums [splits, M, N] over slices of K."""
     if torch.compiler.is_compiling():
-        return _linear_partials(x, weight, bias, splits)
-    return kernels.linear_partials(x, weight, bias, splits)
+        return _linear_partials(x, weight, bias, splits, tf32_input)
+    return kernels.linear_partials(x, weight, bias, splits, tf32_input=tf32_input)
 
 
-def add_layer_norm(x: Tensor, parts: Tensor, weight: Tensor, bias: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def add_layer_norm(x: Tensor, parts: Tensor, weight: Tensor, bias: Tensor, eps: float, *,
+                   tf32_output: bool = False) -> tuple[Tensor, Tensor]:
     """kernels.add_layer_norm: (s, LayerNorm(s)) for s = x + parts.sum(0)."""
     if torch.compiler.is_compiling():
-        return _add_layer_norm(x, parts, weight, bias, eps)
-    return kernels.add_layer_norm(x, parts, weight, bias, eps)
+        return _add_layer_norm(x, parts, weight, bias, eps, tf32_output)
+    return kernels.add_layer_norm(x, parts, weight, bias, eps, tf32_output=tf32_output)
 
 
-def fused_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None) -> Tensor:
+def fused_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None, tf32_input: bool = False,
+                    tf32_output: bool = False) -> Tensor:
     """kernels.fused_attention: softmax(q k^T * scale) v for q, k, v [B, T, H, Dh]."""
     if torch.compiler.is_compiling():
-        return _fused_attention(q, k, v, scale)
-    return kernels.fused_attention(q, k, v, scale=scale)
+        return _fused_attention(q, k, v, scale, tf32_input, tf32_output)
+    return kernels.fused_attention(q, k, v, scale=scale, tf32_input=tf32_input, tf32_output=tf32_output)
 
 
 def patch_embed(pixels: Tensor, weight: Tensor, bias: Tensor | None = None, pos_embed: Tensor | None = None,

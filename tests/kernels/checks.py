@@ -57,6 +57,13 @@ def tf32_matmuls():
         torch.set_float32_matmul_precision(before)
 
 
+def tf32_emulated(t: torch.Tensor) -> torch.Tensor:
+    """float32 rounded to 10 mantissa bits, ties away from zero: PyTorch's tf32 operands on a machine
+    without tf32 (the CPU), as cuBLAS rounds them."""
+    bits = t.contiguous().view(torch.int32)
+    return ((bits + 0x1000) & -0x2000).view(torch.float32)
+
+
 def assert_written_in_place(result: torch.Tensor, out: torch.Tensor, buffer: torch.Tensor) -> None:
     """result is the out= view, every element of it written, and nothing of `buffer` outside it."""
     assert result.data_ptr() == out.data_ptr() and result.shape == out.shape

@@ -1,6 +1,7 @@
 """linear: y = scale * (act(x @ W^T + b) [+ residual]) against F.linear and PyTorch's activations; linear_partials
 and split_k (split K)."""
 
+import importlib
 import itertools
 import threading
 from functools import partial
@@ -11,12 +12,15 @@ import torch.nn.functional as F
 
 from tests.kernels.checks import (
     assert_like_torch, assert_written_in_place, check, each_dtype, empty, nan_filled, rand, raises_value_error, reference,
-    tf32_matmuls,
+    tf32_emulated, tf32_matmuls,
 )
 from tests.numerics import DEVICE, assert_close
 from vit_triton.kernels import ACTIVATIONS, linear, linear_partials, split_k
 from vit_triton.kernels._common import num_programs
 from vit_triton.kernels.linear import MAX_SPLITS, SPLIT_MAX_TILES, SPLIT_MIN_DEPTH, SPLIT_TILE, SPLITS
+from vit_triton.kernels.tf32 import TF32_WEIGHT_ROWS
+
+LINEAR, TF32 = (importlib.import_module(f"vit_triton.kernels.{name}") for name in ("linear", "tf32"))
 
 TORCH_ACTIVATIONS = {
     "none": lambda y: y,
@@ -99,23 +103,32 @@ def test_float32_matmul_precision(allow_tf32):
         # tf32 keeps 10 mantissa bits: held to 1.5x PyTorch's own error with tf32 on. A CPU has no
         # tf32, so there PyTorch's is emulated: operands rounded to nearest tf32 (as cuBLAS does).
         if DEVICE.type != "cuda":
-            torch_out = fn(round_to_tf32(x), round_to_tf32(w), b, r)
+            torch_out = fn(tf32_emulated(x), tf32_emulated(w), b, r)
         assert_like_torch(out, ref, torch_out)
 
 
-def round_to_tf32(t):
-    """float32 rounded to 10 mantissa bits, ties away from zero."""
-    bits = t.contiguous().view(torch.int32)
-    return ((bits + 0x1000) & -0x2000).view(torch.float32)
-
-
-def test_tf32_operands_are_rounded_not_truncated():
+@pytest.mark.parametrize("rows", [TF32_WEIGHT_ROWS - 1, TF32_WEIGHT_ROWS], ids=["weight-rounded-in-kernel",
+                                                                             "weight-rounded-once"])
+@pytest.mark.parametrize("operand", ["x", "weight"])
+def test_tf32_operands_are_rounded_not_truncated(rows, operand):
     # Operands just under a tf32 rounding boundary: truncating them would make every product low,
-    # a bias that grows with K; rounding them keeps the sum as close as cuBLAS gets it.
-    x = torch.full((64, 256), 1.0 + 2 ** -10 - 2 ** -22, device=DEVICE)
-    w = torch.full((32, 256), 1.0, device=DEVICE)
+    # a bias that grows with K; rounding them keeps the sum as close as cuBLAS gets it. From
+    # TF32_WEIGHT_ROWS rows on, the weight is rounded once before the GEMM (kernels/tf32.py).
+    near = 1.0 + 2 ** -10 - 2 ** -22
+    x = torch.full((rows, 256), near if operand == "x" else 1.0, device=DEVICE)
+    w = torch.full((32, 256), near if operand == "weight" else 1.0, device=DEVICE)
     out = linear(x, w, allow_tf32=True)
     assert torch.equal(out, torch.full_like(out, 256 * (1.0 + 2 ** -10))), out[0, 0].item()
+
+
+def test_weight_rounded_once_gives_the_bits_of_rounding_in_the_kernel(monkeypatch):
+    # One launch config for both, so that only where W is rounded differs.
+    candidates = LINEAR._candidates
+    monkeypatch.setattr(LINEAR, "_candidates", lambda m, dtype: candidates(m, dtype)[:1])
+    x, w, b, r = inputs(TF32_WEIGHT_ROWS + 3, 45, 53, torch.float32, strided=True)
+    once = linear(x, w, b, activation="gelu", residual=r, allow_tf32=True)
+    monkeypatch.setattr(TF32, "TF32_WEIGHT_ROWS", TF32_WEIGHT_ROWS * 10)
+    assert torch.equal(once, linear(x, w, b, activation="gelu", residual=r, allow_tf32=True))
 
 
 @each_dtype

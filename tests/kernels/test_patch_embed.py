@@ -4,8 +4,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.kernels.checks import assert_written_in_place, check, empty, nan_filled, rand, raises_value_error
+from tests.kernels.checks import (
+    assert_like_torch, assert_written_in_place, check, empty, nan_filled, rand, raises_value_error, reference,
+    tf32_emulated, tf32_matmuls,
+)
 from vit_triton.kernels import patch_embed
+from vit_triton.kernels.tf32 import TF32_WEIGHT_ROWS
 
 DIM = 45                                        # no multiple of any tile
 
@@ -80,6 +84,20 @@ def test_every_element_is_written_in_place(dtype, pixel_dtype):
     result = patch_embed(*args, out=out)
     assert_written_in_place(result, out, buffer)
     check(result, torch_patch_embed, *args)
+
+
+@pytest.mark.parametrize("images", [1, -(-TF32_WEIGHT_ROWS // 96)], ids=["weight-rounded-in-kernel",
+                                                                       "weight-rounded-once"])
+def test_tf32(images):
+    # 96 patches an image: from TF32_WEIGHT_ROWS patches on, the weight is rounded once beforehand.
+    # Held to 1.5x the error of PyTorch's convolution on operands rounded to tf32 (cuDNN may not pick
+    # a tf32 algorithm for a small convolution, so tf32 is emulated on every device).
+    args = inputs(images, 3, 64, 96, 8, 1, "all", True, torch.float32, torch.float32)
+    with tf32_matmuls():
+        out = patch_embed(*args)
+    px, w, *rest = args
+    assert_like_torch(out, reference(torch_patch_embed, *args),
+                      torch_patch_embed(tf32_emulated(px), tf32_emulated(w), *rest))
 
 
 @pytest.mark.parametrize("change, message", [

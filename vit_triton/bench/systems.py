@@ -20,7 +20,9 @@ from ..runtime import CUDAGraphRunner
 from .numerics import randomize_
 
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead")
-SYSTEMS = ("vit-triton", "vit-triton+cudagraph", "hf", "timm", *(f"timm+compile:{m}" for m in COMPILE_MODES))
+# timm:exact-fp32: timm eager with PyTorch's default float32 matmuls (exact, no tf32), beside a tf32 run.
+SYSTEMS = ("vit-triton", "vit-triton+cudagraph", "hf", "timm", "timm:exact-fp32",
+           *(f"timm+compile:{m}" for m in COMPILE_MODES))
 
 
 @dataclass
@@ -92,6 +94,8 @@ def build_systems(cfg: ViTConfig, dtype: torch.dtype, device: torch.device,
         if hf is None or any(n.startswith("timm") for n in names):
             timm_ref = _perturbed(timm_model(cfg), dtype, device)
             systems.append(System("timm", timm_ref))
+            systems.append(System("timm:exact-fp32", _exact_fp32(timm_ref)) if dtype == torch.float32 else
+                           System("timm:exact-fp32", None, "float32 runs only"))
             if any(n.startswith("timm+compile") for n in names):
                 _allow_recompiles()
             for mode in COMPILE_MODES:
@@ -108,6 +112,19 @@ def build_systems(cfg: ViTConfig, dtype: torch.dtype, device: torch.device,
                else System("vit-triton+cudagraph", None, "CUDA graphs need a CUDA device"))
     systems[:0] = [System("vit-triton", ours), graphed]
     return [s for s in systems if s.name in names], reference, ours
+
+
+def _exact_fp32(model: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """model's forward with float32 matmuls exact whatever the run's precision: what PyTorch gives a
+    float32 user who has not opted in to tf32 (its default; convolutions follow cudnn.allow_tf32)."""
+    def run(pixels: torch.Tensor) -> torch.Tensor:
+        before = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("highest")
+        try:
+            return model(pixels)
+        finally:
+            torch.set_float32_matmul_precision(before)
+    return run
 
 
 def _allow_recompiles(limit: int = 64) -> None:

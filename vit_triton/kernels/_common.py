@@ -61,25 +61,29 @@ def prefetch_l2(ptrs, mask):
 
 
 @triton.jit
-def mma(a, b, acc, INPUT_PRECISION: tl.constexpr):
+def mma(a, b, acc, INPUT_PRECISION: tl.constexpr, A_TF32: tl.constexpr, B_TF32: tl.constexpr):
     """acc += a @ b on the tensor cores: fp32 accumulation, fp32 inputs as ieee or tf32.
 
     Triton's interpreter multiplies bf16 tiles as raw integers; upcasting 16-bit tiles there
-    gives the tensor-core result (exact products, fp32 sums). tf32 operands are rounded first.
+    gives the tensor-core result (exact products, fp32 sums). tf32 operands are rounded first,
+    but for one that already holds tf32 values (A_TF32, B_TF32: rounded by to_tf32 before), whose
+    low bits the tensor cores' truncation drops losslessly. Rounding b costs the most: wgmma reads
+    B from shared memory only, so a rounded b tile goes registers -> shared memory every K step.
     """
     if _INTERPRET and a.dtype != tl.float32:
         a = a.to(tl.float32)
         b = b.to(tl.float32)
     if a.dtype == tl.float32:
-        if INPUT_PRECISION == "tf32":
-            a = _round_to_tf32(a)
-            b = _round_to_tf32(b)
+        if INPUT_PRECISION == "tf32" and not A_TF32:
+            a = to_tf32(a)
+        if INPUT_PRECISION == "tf32" and not B_TF32:
+            b = to_tf32(b)
         return tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
     return tl.dot(a, b, acc)
 
 
 @triton.jit
-def _round_to_tf32(x):
+def to_tf32(x):
     """x rounded to tf32's 10 mantissa bits, to nearest with ties away from zero (cvt.rna.tf32.f32,
     what cuBLAS does). The tensor cores would drop the 13 low bits instead: a biased error about
     2.6x cuBLAS's at K=768. Under the interpreter, whose dot is exact fp32, this makes it tf32."""

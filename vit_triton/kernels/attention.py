@@ -22,7 +22,7 @@ import triton.language as tl
 
 from ._common import (
     LOG2E, cast, check_device, check_dtype, check_float, check_shape, exp2, input_precision, mma, pdl,
-    start_next_kernel, tune, wait_for_previous_kernel,
+    start_next_kernel, to_tf32, tune, wait_for_previous_kernel,
 )
 
 TAIL_N = tl.constexpr(16)  # the smallest key block a 16-bit tensor-core product takes (k = 16)
@@ -31,7 +31,7 @@ SMALLEST_BLOCK_M = 64      # of the configs below: the launch with the most prog
 
 @triton.jit
 def _attend(acc, m_i, l_i, q, k_base, v_base, start, T, sk_t, sv_t, qk_scale, offs_d, mask_d,
-            INPUT_PRECISION: tl.constexpr, BLOCK: tl.constexpr, MASKED: tl.constexpr):
+            INPUT_PRECISION: tl.constexpr, QKV_TF32: tl.constexpr, BLOCK: tl.constexpr, MASKED: tl.constexpr):
     """One step of the online softmax over keys start .. start + BLOCK (masked past T if MASKED)."""
     offs_n = start + tl.arange(0, BLOCK)
     if MASKED:
@@ -42,7 +42,7 @@ def _attend(acc, m_i, l_i, q, k_base, v_base, start, T, sk_t, sv_t, qk_scale, of
         k_mask = mask_d[:, None]
         v_mask = mask_d[None, :]
     k = tl.load(k_base + offs_n[None, :] * sk_t + offs_d[:, None], mask=k_mask, other=0.0)
-    s = mma(q, k, tl.zeros((q.shape[0], BLOCK), dtype=tl.float32), INPUT_PRECISION)
+    s = mma(q, k, tl.zeros((q.shape[0], BLOCK), dtype=tl.float32), INPUT_PRECISION, QKV_TF32, QKV_TF32)
     if MASKED:
         s = tl.where(valid_n[None, :], s, float("-inf"))
     # The scale (> 0) is applied to the row max, and to each score inside the exponent's FMA.
@@ -51,7 +51,7 @@ def _attend(acc, m_i, l_i, q, k_base, v_base, start, T, sk_t, sv_t, qk_scale, of
     alpha = exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v = tl.load(v_base + offs_n[:, None] * sv_t + offs_d[None, :], mask=v_mask, other=0.0)
-    acc = mma(cast(p, v.dtype), v, acc * alpha[:, None], INPUT_PRECISION)
+    acc = mma(cast(p, v.dtype), v, acc * alpha[:, None], INPUT_PRECISION, False, QKV_TF32)
     return acc, m_new, l_i
 
 
@@ -67,7 +67,7 @@ def _attend(acc, m_i, l_i, q, k_base, v_base, start, T, sk_t, sv_t, qk_scale, of
         ],
         triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=4, num_stages=1),
     ),
-    key=["T", "HEAD_DIM", "INPUT_PRECISION", "batch_heads"],
+    key=["T", "HEAD_DIM", "INPUT_PRECISION", "QKV_TF32", "batch_heads"],
 )
 @triton.jit(do_not_specialize=["batch_heads"])
 def _attention_kernel(
@@ -75,6 +75,7 @@ def _attention_kernel(
     T, H, batch_heads, qk_scale,   # batch_heads: B*H rounded up to a power of two, only a tuning key
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    QKV_TF32: tl.constexpr, O_TF32: tl.constexpr,   # q, k, v hold tf32 values already; o stored rounded to tf32
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
@@ -98,13 +99,15 @@ def _attention_kernel(
     whole = T - T % BLOCK_N
     for start in range(0, whole, BLOCK_N):
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_base, v_base, start, T, sk_t, sv_t, qk_scale, offs_d, mask_d,
-                                INPUT_PRECISION, BLOCK_N, False)
+                                INPUT_PRECISION, QKV_TF32, BLOCK_N, False)
     for start in range(whole, T, TAIL_N):
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_base, v_base, start, T, sk_t, sv_t, qk_scale, offs_d, mask_d,
-                                INPUT_PRECISION, TAIL_N, True)
+                                INPUT_PRECISION, QKV_TF32, TAIL_N, True)
 
     start_next_kernel(PDL)
     o = acc / l_i[:, None]
+    if O_TF32:
+        o = to_tf32(o)
     o_ptrs = o_ptr + b * so_b + h * so_h + offs_m[:, None] * so_t + offs_d[None, :]
     tl.store(o_ptrs, cast(o, o_ptr.dtype.element_ty), mask=(offs_m < T)[:, None] & mask_d[None, :])
 
@@ -116,11 +119,14 @@ def fused_attention(
     *,
     scale: float | None = None,
     allow_tf32: bool | None = None,
+    tf32_input: bool = False,
+    tf32_output: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(q @ k^T * scale) @ v for q, k, v [B, T, H, Dh]; returns [B, T, H, Dh] contiguous.
 
-    scale (positive) defaults to Dh ** -0.5. Head dims from 16 to 256 are accepted.
+    scale (positive) defaults to Dh ** -0.5. Head dims from 16 to 256 are accepted. tf32_input (q, k and
+    v), tf32_output: see tf32.py; they act only where the matmuls run on tf32.
     """
     check_device(q, k, v, out)
     check_float("q", q)
@@ -138,6 +144,7 @@ def fused_attention(
     if out is None:
         out = torch.empty((B, T, H, Dh), device=q.device, dtype=q.dtype)
     scale = Dh ** -0.5 if scale is None else scale
+    precision = input_precision(q.dtype, allow_tf32)
     if not scale > 0:
         raise ValueError(f"scale must be positive, got {scale}")
 
@@ -156,6 +163,7 @@ def fused_attention(
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         HEAD_DIM=Dh, BLOCK_D=max(16, triton.next_power_of_2(Dh)),
-        INPUT_PRECISION=input_precision(q.dtype, allow_tf32), **pdl(q.device, B * H * triton.cdiv(T, SMALLEST_BLOCK_M)),
+        INPUT_PRECISION=precision, QKV_TF32=precision == "tf32" and tf32_input,
+        O_TF32=precision == "tf32" and tf32_output, **pdl(q.device, B * H * triton.cdiv(T, SMALLEST_BLOCK_M)),
     )
     return out

@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 from ._common import (
-    cast, check_device, check_dtype, check_float, check_shape, pdl, start_next_kernel, wait_for_previous_kernel,
+    cast, check_device, check_dtype, check_float, check_shape, input_precision, pdl, start_next_kernel, to_tf32,
+    wait_for_previous_kernel,
 )
 
 
@@ -29,7 +30,8 @@ def _layer_norm_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
     parts_ptr, sum_ptr,   # add_layer_norm only: the partial sums [NUM_PARTS, M, D], x + their sum [M, D]
     M, D, stride_xm, stride_ym, eps,
-    NUM_PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+    NUM_PARTS: tl.constexpr, Y_TF32: tl.constexpr,   # Y_TF32: y stored rounded to tf32
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -50,6 +52,8 @@ def _layer_norm_kernel(
     w = tl.load(w_ptr + cols, mask=mask_d, other=0.0).to(tl.float32)
     b = tl.load(b_ptr + cols, mask=mask_d, other=0.0).to(tl.float32)
     y = diff * rstd[:, None] * w[None, :] + b[None, :]
+    if Y_TF32:
+        y = to_tf32(y)
     start_next_kernel(PDL)
     tl.store(y_ptr + rows * stride_ym + cols[None, :], cast(y, y_ptr.dtype.element_ty), mask=mask)
 
@@ -60,9 +64,12 @@ def layer_norm(
     bias: torch.Tensor,
     eps: float,
     *,
+    tf32_output: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """LayerNorm of each row of a 2-D x [M, D] (unit stride along D) with weight, bias [D]."""
+    """LayerNorm of each row of a 2-D x [M, D] (unit stride along D) with weight, bias [D].
+    tf32_output: the result is read only as a matmul operand; with float32 matmuls on tf32 it is stored
+    rounded to tf32 (tf32.py)."""
     check_device(x, weight, bias, out)
     _check(x, weight, bias)
     M, D = x.shape
@@ -73,7 +80,7 @@ def layer_norm(
         check_dtype("out", out, x.dtype)
         if out.stride(1) != 1:
             raise ValueError(f"out must have unit stride along D, got strides {out.stride()}")
-    _launch(x, weight, bias, out, eps, None, None)
+    _launch(x, weight, bias, out, eps, None, None, tf32_output)
     return out
 
 
@@ -83,9 +90,12 @@ def add_layer_norm(
     weight: torch.Tensor,
     bias: torch.Tensor,
     eps: float,
+    *,
+    tf32_output: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(s, LayerNorm(s)) for s = x + parts.sum(0), summed in fp32 and rounded once to x's dtype; x [M, D]
-    (unit stride along D), parts [S, M, D] float32 (linear_partials' output), weight, bias [D]."""
+    (unit stride along D), parts [S, M, D] float32 (linear_partials' output), weight, bias [D].
+    tf32_output: as layer_norm's, for the LayerNorm (s is stored as summed)."""
     check_device(x, parts, weight, bias)
     _check(x, weight, bias)
     M, D = x.shape
@@ -94,7 +104,7 @@ def add_layer_norm(
     check_dtype("parts", parts, torch.float32)
     total = torch.empty((M, D), device=x.device, dtype=x.dtype)
     out = torch.empty_like(total)
-    _launch(x, weight, bias, out, eps, parts.contiguous(), total)
+    _launch(x, weight, bias, out, eps, parts.contiguous(), total, tf32_output)
     return total, out
 
 
@@ -108,7 +118,8 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> None:
         check_dtype(name, t, x.dtype)
 
 
-def _launch(x, weight, bias, out, eps: float, parts: torch.Tensor | None, total: torch.Tensor | None) -> None:
+def _launch(x, weight, bias, out, eps: float, parts: torch.Tensor | None, total: torch.Tensor | None,
+            tf32_output: bool) -> None:
     M, D = x.shape
     block_d = triton.next_power_of_2(D)
     # About 4K elements a program: several rows when D is small, one 16-byte load a thread when large.
@@ -117,6 +128,6 @@ def _launch(x, weight, bias, out, eps: float, parts: torch.Tensor | None, total:
     _layer_norm_kernel[(triton.cdiv(M, block_m),)](
         x, weight.contiguous(), bias.contiguous(), out, parts, total,
         M, D, x.stride(0), out.stride(0), eps,
-        NUM_PARTS=0 if parts is None else parts.shape[0],
+        NUM_PARTS=0 if parts is None else parts.shape[0], Y_TF32=tf32_output and input_precision(x.dtype, None) == "tf32",
         BLOCK_M=block_m, BLOCK_D=block_d, num_warps=num_warps, **pdl(x.device, triton.cdiv(M, block_m)),
     )

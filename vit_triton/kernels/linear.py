@@ -22,6 +22,10 @@ first load, a third of a GEMM's time at one image (benchmarks/NOTES.md).
 The launch config (tile, warps, stages, persistence) is chosen per shape by timing a short list of
 candidates (_tune.py), since the descriptors depend on it.
 
+float32 on tf32 tensor cores: operands are rounded to nearest tf32 as cuBLAS does; a product of
+many row tiles reads W rounded once beforehand (tf32.py) instead of rounding it in every program,
+every K step (ViT-B/16 at 256 images: benchmarks/NOTES.md 26).
+
 Split K (linear_partials): a product too small to give every SM a tile (ViT-B/16's fc2 at one image:
 48 tiles of 64 x 64 on 132 SMs, each a 3072-deep loop) is cut into S slices along K, one program per
 tile and slice, each writing its fp32 partial sum to parts [S, M, N] (slice 0 adds the bias). No
@@ -43,9 +47,11 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._common import (
     INTERPRET, LOG2E, cast, check_device, check_dtype, check_float, check_shape, exp2, input_precision, mma,
-    num_programs, pdl, PDL_OFF, prefetch_l2, reciprocal, start_next_kernel, tma_ready, wait_for_previous_kernel,
+    num_programs, pdl, PDL_OFF, prefetch_l2, reciprocal, start_next_kernel, tma_ready, to_tf32,
+    wait_for_previous_kernel,
 )
 from ._tune import Config, Tuner
+from .tf32 import tf32_weight
 
 ACTIVATIONS = ("none", "gelu", "gelu_tanh", "quick_gelu")
 
@@ -127,7 +133,9 @@ def _linear_kernel(
     M, N, K,
     stride_xm, stride_wn, stride_rm, stride_ym, scale,
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_SCALE: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, X_TF32: tl.constexpr, W_TF32: tl.constexpr,   # x, W hold tf32 values already
+    Y_TF32: tl.constexpr,   # y is stored rounded to tf32
+    USE_TMA: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
     SPLIT_K: tl.constexpr,   # > 1: y is a pointer to fp32 partial sums [SPLIT_K, M, N], no epilogue but the bias
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -173,7 +181,7 @@ def _linear_kernel(
                             mask=mask_m[:, None] & (cols[None, :] < K), other=0.0)
                 bt = tl.load(w + offs_n[None, :].to(tl.int64) * stride_wn + cols[:, None],
                              mask=mask_n[None, :] & (cols[:, None] < K), other=0.0)
-            acc = mma(a, bt, acc, INPUT_PRECISION)
+            acc = mma(a, bt, acc, INPUT_PRECISION, X_TF32, W_TF32)
 
         if item + tl.num_programs(0) >= num_tiles * SPLIT_K:  # this program's last tile
             start_next_kernel(PDL)
@@ -189,6 +197,8 @@ def _linear_kernel(
                 acc += tl.load(r + rows * stride_rm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_SCALE:
             acc *= scale
+        if Y_TF32:
+            acc = to_tf32(acc)
         if USE_TMA and SPLIT_K == 1:  # the store is clipped to [M, N]
             y.store([pid_m * BLOCK_M, pid_n * BLOCK_N], cast(acc, y.dtype))
         else:
@@ -225,12 +235,15 @@ def linear(
     residual: torch.Tensor | None = None,
     scale: float = 1.0,
     allow_tf32: bool | None = None,
+    tf32_input: bool = False,
+    tf32_output: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y = scale * (activation(x @ weight.T + bias) + residual) for 2-D x [M, K] and weight [N, K].
 
     activation: "none", "gelu" (exact erf), "gelu_tanh" or "quick_gelu" (x * sigmoid(1.702 x)).
     allow_tf32: for float32 inputs; None follows torch.get_float32_matmul_precision().
+    tf32_input, tf32_output: see tf32.py; they act only where the matmuls run on tf32.
     out must not alias x or residual.
     """
     if activation not in ACTIVATIONS:
@@ -245,9 +258,12 @@ def linear(
                 raise ValueError(f"{name} must have unit stride along N, got strides {t.stride()}")
     if out is None:
         out = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    precision = input_precision(x.dtype, allow_tf32)
+    weight, w_tf32 = tf32_weight(weight, M, precision)
+    tf32 = precision == "tf32"
     flags = dict(HAS_BIAS=bias is not None, ACT=activation, HAS_RESIDUAL=residual is not None,
-                 HAS_SCALE=scale != 1.0, INPUT_PRECISION=input_precision(x.dtype, allow_tf32),
-                 USE_TMA=tma_ready(x, weight, residual, out), SPLIT_K=1)
+                 HAS_SCALE=scale != 1.0, INPUT_PRECISION=precision, X_TF32=tf32 and tf32_input, W_TF32=w_tf32,
+                 Y_TF32=tf32 and tf32_output, USE_TMA=tma_ready(x, weight, residual, out), SPLIT_K=1)
     _tuned_launch(x, weight, bias, residual, out, scale, flags)
     return out
 
@@ -259,18 +275,21 @@ def linear_partials(
     splits: int,
     *,
     allow_tf32: bool | None = None,
+    tf32_input: bool = False,
 ) -> torch.Tensor:
     """x @ weight.T + bias as `splits` fp32 partial sums parts [splits, M, N] over consecutive slices of
     K (parts[0] holds the bias): parts.sum(0) is the product. For products too small to fill the GPU
-    (split_k); layer_norm's add_layer_norm adds the parts to the residual stream."""
+    (split_k); layer_norm's add_layer_norm adds the parts to the residual stream. tf32_input: as linear's."""
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"splits must be between 1 and {MAX_SPLITS}, got {splits}")
     weight, bias = _checked(x, weight, bias)
     M, N = x.shape[0], weight.shape[0]
     parts = torch.empty((splits * M, N), device=x.device, dtype=torch.float32)   # the slices one above the other
+    precision = input_precision(x.dtype, allow_tf32)
+    weight, w_tf32 = tf32_weight(weight, M, precision)
     flags = dict(HAS_BIAS=bias is not None, ACT="none", HAS_RESIDUAL=False, HAS_SCALE=False,
-                 INPUT_PRECISION=input_precision(x.dtype, allow_tf32), USE_TMA=tma_ready(x, weight, parts),
-                 SPLIT_K=splits)
+                 INPUT_PRECISION=precision, X_TF32=precision == "tf32" and tf32_input, W_TF32=w_tf32, Y_TF32=False,
+                 USE_TMA=tma_ready(x, weight, parts), SPLIT_K=splits)
     _tuned_launch(x, weight, bias, None, parts, 1.0, flags)
     return parts.view(splits, M, N)
 

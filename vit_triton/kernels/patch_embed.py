@@ -6,7 +6,8 @@ tokens[b, P0 + p]   = sum_k A[b*Np + p, k] * W[:, k] + bias + pos[p (+ P0)] for 
 A is the im2col matrix of pixels [B, C, H, W] (patch p at row py = p // Wp, column px = p % Wp;
 k = (c, ky, kx) in conv-weight order), gathered tile by tile from the image and never written
 out. W is the conv weight [D, C, S, S] read as [D, C*S*S]. The P0 prefix rows (class,
-distillation, register tokens) are written by extra programs of the same launch.
+distillation, register tokens) are written by extra programs of the same launch. With tf32 matmuls
+a large launch reads W rounded once beforehand (tf32.py), not rounded in every program.
 
 Cost: 2*B*Np*D*C*S*S FLOPs; at least B*C*H*W + D*C*S*S + B*T*D (+ T*D pos) elements moved.
 """
@@ -23,6 +24,7 @@ from ._common import (
     cast, check_device, check_dtype, check_float, check_shape, input_precision, mma, pdl, start_next_kernel, tune,
     wait_for_previous_kernel,
 )
+from .tf32 import tf32_weight
 
 
 def _config(bm, bn, bk, warps, stages):
@@ -39,7 +41,7 @@ def _config(bm, bn, bk, warps, stages):
         ],
         _config(32, 32, 32, 4, 1),
     ),
-    key=["NUM_PATCHES", "D", "K", "NUM_PREFIX", "INPUT_PRECISION"],
+    key=["NUM_PATCHES", "D", "K", "NUM_PREFIX", "INPUT_PRECISION", "W_TF32"],
 )
 @triton.jit
 def _patch_embed_kernel(
@@ -47,7 +49,7 @@ def _patch_embed_kernel(
     B, C, D, K, NUM_PATCHES, GRID_W, NUM_PREFIX,
     s_pb, s_pc, s_ph, s_pw, stride_wd, s_ob, s_ot,
     PATCH: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_PREFIX: tl.constexpr, HAS_POS: tl.constexpr, POS_HAS_PREFIX: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, W_TF32: tl.constexpr, PDL: tl.constexpr,   # W_TF32: W holds tf32 values already
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
@@ -74,7 +76,7 @@ def _patch_embed_kernel(
                         mask=mask_m[:, None] & (k < K)[None, :], other=0.0)
             w = tl.load(w_ptr + offs_n[None, :] * stride_wd + k[:, None],
                         mask=mask_n[None, :] & (k < K)[:, None], other=0.0)
-            acc = mma(cast(a, w.dtype), w, acc, INPUT_PRECISION)
+            acc = mma(cast(a, w.dtype), w, acc, INPUT_PRECISION, False, W_TF32)
         mask = mask_m[:, None] & mask_n[None, :]
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
@@ -154,6 +156,8 @@ def patch_embed(
         return (rows, triton.cdiv(D, meta["BLOCK_N"]))
 
     most_programs = math.prod(grid({"BLOCK_M": 64, "BLOCK_N": 64}))   # the smallest tiles of the configs
+    precision = input_precision(weight.dtype, allow_tf32)
+    weight, w_tf32 = tf32_weight(weight, B * num_patches, precision)
     _patch_embed_kernel[grid](
         pixels, weight, bias, None if pos_embed is None else pos_embed.contiguous(),
         None if prefix_tokens is None else prefix_tokens.contiguous(), out,
@@ -162,6 +166,6 @@ def patch_embed(
         weight.stride(0), out.stride(0), out.stride(1),
         PATCH=S, HAS_BIAS=bias is not None, HAS_PREFIX=num_prefix > 0, HAS_POS=pos_embed is not None,
         POS_HAS_PREFIX=pos_embed is not None and pos_embed.shape[0] == T and num_prefix > 0,
-        INPUT_PRECISION=input_precision(weight.dtype, allow_tf32), **pdl(weight.device, most_programs),
+        INPUT_PRECISION=precision, W_TF32=w_tf32, **pdl(weight.device, most_programs),
     )
     return out

@@ -16,35 +16,43 @@ from .config import ViTConfig
 
 
 class LayerNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, **factory) -> None:
+    """tf32_output: the output is read only by a GEMM, so with float32 matmuls on tf32 it is stored rounded
+    to tf32 and the GEMM skips that rounding (kernels/tf32.py)."""
+
+    def __init__(self, dim: int, eps: float, tf32_output: bool = False, **factory) -> None:
         super().__init__()
         self.eps = eps
+        self.tf32_output = tf32_output
         self.weight = nn.Parameter(torch.ones(dim, **factory))
         self.bias = nn.Parameter(torch.zeros(dim, **factory))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return layer_norm(x, self.weight, self.bias, self.eps)
+        return layer_norm(x, self.weight, self.bias, self.eps, tf32_output=self.tf32_output)
 
     def add_and_norm(self, x: torch.Tensor, parts: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(x', LayerNorm(x')) for x' = x + parts.sum(0): the residual update a split GEMM left to this
         norm (Linear.add_to), one kernel; x' = x when parts is None."""
         if parts is None:
             return x, self(x)
-        return add_layer_norm(x, parts, self.weight, self.bias, self.eps)
+        return add_layer_norm(x, parts, self.weight, self.bias, self.eps, tf32_output=self.tf32_output)
 
 
 class Linear(nn.Module):
-    """y = scale * (activation(x @ W^T + b) [+ residual]), all in one GEMM."""
+    """y = scale * (activation(x @ W^T + b) [+ residual]), all in one GEMM. tf32_input: x comes from a
+    kernel's tf32_output; tf32_output: y is read only by another GEMM or attention (kernels/tf32.py)."""
 
-    def __init__(self, d_in: int, d_out: int, bias: bool = True, activation: str = "none", **factory) -> None:
+    def __init__(self, d_in: int, d_out: int, bias: bool = True, activation: str = "none", tf32_input: bool = False,
+                 tf32_output: bool = False, **factory) -> None:
         super().__init__()
         self.activation = activation
+        self.tf32_input, self.tf32_output = tf32_input, tf32_output
         self.weight = nn.Parameter(torch.empty(d_out, d_in, **factory))
         self.bias = nn.Parameter(torch.zeros(d_out, **factory)) if bias else None
         nn.init.trunc_normal_(self.weight, std=0.02)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, activation=self.activation, residual=residual, scale=scale)
+        return linear(x, self.weight, self.bias, activation=self.activation, residual=residual, scale=scale,
+                      tf32_input=self.tf32_input, tf32_output=self.tf32_output)
 
     def add_to(self, x: torch.Tensor, residual: torch.Tensor,
                defer: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -54,7 +62,7 @@ class Linear(nn.Module):
         splits = split_k(x.shape[0], self.weight.shape[0], x.shape[1], x.device) if defer else 1
         if splits == 1:
             return self(x, residual=residual), None
-        return residual, linear_partials(x, self.weight, self.bias, splits)
+        return residual, linear_partials(x, self.weight, self.bias, splits, tf32_input=self.tf32_input)
 
 
 class PatchEmbed(nn.Module):
@@ -68,18 +76,20 @@ class PatchEmbed(nn.Module):
 
 class Block(nn.Module):
     """Pre-norm transformer block on the residual stream, the [B*T, D] token matrix, updated by the
-    residual epilogues of proj and fc2 or, where those GEMMs are split along K, by the next norm."""
+    residual epilogues of proj and fc2 or, where those GEMMs are split along K, by the next norm.
+    The norms, qkv, attention and fc1 write what only the next matmul reads: with float32 matmuls on
+    tf32 they store it rounded to tf32, so that matmul's K loop does not round it."""
 
     def __init__(self, cfg: ViTConfig, **factory) -> None:
         super().__init__()
         d = cfg.embed_dim
         self.num_heads = cfg.num_heads
-        self.norm1 = LayerNorm(d, cfg.norm_eps, **factory)
-        self.qkv = Linear(d, 3 * d, bias=cfg.qkv_bias, **factory)
-        self.proj = Linear(d, d, **factory)
-        self.norm2 = LayerNorm(d, cfg.norm_eps, **factory)
-        self.fc1 = Linear(d, cfg.mlp_dim, activation=cfg.act, **factory)
-        self.fc2 = Linear(cfg.mlp_dim, d, **factory)
+        self.norm1 = LayerNorm(d, cfg.norm_eps, tf32_output=True, **factory)
+        self.qkv = Linear(d, 3 * d, bias=cfg.qkv_bias, tf32_input=True, tf32_output=True, **factory)
+        self.proj = Linear(d, d, tf32_input=True, **factory)
+        self.norm2 = LayerNorm(d, cfg.norm_eps, tf32_output=True, **factory)
+        self.fc1 = Linear(d, cfg.mlp_dim, activation=cfg.act, tf32_input=True, tf32_output=True, **factory)
+        self.fc2 = Linear(cfg.mlp_dim, d, tf32_input=True, **factory)
 
     def forward(self, x: torch.Tensor, parts: torch.Tensor | None, batch: int,
                 defer: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -89,7 +99,7 @@ class Block(nn.Module):
         x, h = self.norm1.add_and_norm(x, parts)
         # The QKV GEMM's [B*T, 3D] output is read in place as q, k, v [B, T, H, Dh] views.
         qkv = self.qkv(h).view(batch, tokens, 3, self.num_heads, d // self.num_heads)
-        attn = fused_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2])
+        attn = fused_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], tf32_input=True, tf32_output=True)
         x, h = self.norm2.add_and_norm(*self.proj.add_to(attn.view(batch * tokens, d), x))
         return self.fc2.add_to(self.fc1(h), x, defer)
 

@@ -1,0 +1,130 @@
+"""round_to_tf32: float32 rounded to tf32 (10 mantissa bits, to nearest, ties away from zero); the kernels'
+tf32_input and tf32_output flags."""
+
+import contextlib
+import importlib
+
+import pytest
+import torch
+
+from tests.kernels.checks import empty, raises_value_error, rand, tf32_matmuls
+from tests.numerics import DEVICE
+from vit_triton.kernels import add_layer_norm, fused_attention, layer_norm, linear, linear_partials, round_to_tf32
+
+LINEAR, ATTENTION = (importlib.import_module(f"vit_triton.kernels.{name}") for name in ("linear", "attention"))
+F32 = torch.float32
+
+ULP = 2.0 ** -10   # tf32's spacing on [1, 2)
+
+
+def specials() -> torch.Tensor:
+    """Ties and near-ties on either side of zero, zeros and two denormals."""
+    one = [1.0 + ULP / 2, 1.0 + ULP / 2 - 2.0 ** -23, 1.0 + ULP + ULP / 2, 3.0 - 2.0 ** -22]
+    return torch.tensor(one + [-v for v in one] + [0.0, -0.0, 1e-40, -3e-39], device=DEVICE)
+
+
+def nearest_tf32(t: torch.Tensor) -> torch.Tensor:
+    """The tf32 value nearest to each finite element (below float32's largest), ties away from zero:
+    from the two tf32 neighbours of |t| in float64, not from the bits. Denormals keep 10 bits of
+    their mantissa field, as normal numbers do: a spacing of 2^-136."""
+    t = t.double()
+    mag = t.abs()
+    exponent = torch.floor(torch.log2(torch.where(mag > 0, mag, 1.0))).clamp(min=-126)
+    step = torch.exp2(exponent - 10)   # spacing of tf32 numbers around |t|
+    below = torch.floor(mag / step) * step
+    above = below + step
+    nearest = torch.where(mag - below < above - mag, below, above)   # a tie goes up: away from zero
+    return torch.where(mag > 0, torch.sign(t) * nearest, t)
+
+
+def test_rounds_to_the_nearest_tf32_ties_away_from_zero():
+    t = torch.cat([torch.randn(5000, device=DEVICE) * 10.0 ** torch.randint(-20, 20, (5000,), device=DEVICE),
+                   specials()])
+    out = round_to_tf32(t)
+    assert torch.equal(out.double(), nearest_tf32(t)), (t, out)
+    assert torch.equal(out.view(torch.int32) & 0x1FFF, torch.zeros_like(out, dtype=torch.int32))  # bits tf32 drops
+    assert torch.equal(torch.signbit(out), torch.signbit(t))   # -0.0 stays -0.0
+
+
+def test_overflow_and_non_finite_values():
+    big = torch.finfo(torch.float32).max
+    out = round_to_tf32(torch.tensor([big, -big, float("inf"), float("-inf"), float("nan")], device=DEVICE))
+    assert out[:4].tolist() == [float("inf"), float("-inf"), float("inf"), float("-inf")]
+    assert out[4].isnan()
+
+
+def test_any_layout():
+    t = torch.randn(37, 29, device=DEVICE).t()
+    out = round_to_tf32(t)
+    assert out.is_contiguous() and torch.equal(out, round_to_tf32(t.contiguous()))
+
+
+def test_empty():
+    assert round_to_tf32(empty(0, 3)).shape == (0, 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_bad_dtype(dtype):
+    with raises_value_error(f"t must be torch.float32, got {dtype}"):
+        round_to_tf32(empty(4, dtype=dtype))
+
+
+# The tf32_output / tf32_input flags of the kernels that write and read matmul operands: a flagged
+# output is the unflagged one rounded (round_to_tf32), a flagged input skips a rounding that changes
+# nothing, and with tf32 off (or in 16-bit) the flags change nothing. One launch config for each
+# kernel, so that only the flags differ.
+@pytest.fixture
+def one_config(monkeypatch):
+    candidates = LINEAR._candidates
+    monkeypatch.setattr(LINEAR, "_candidates", lambda m, dtype: candidates(m, dtype)[:1])
+    monkeypatch.setattr(ATTENTION._attention_kernel, "configs", ATTENTION._attention_kernel.configs[:1])
+
+
+def rounded(t):
+    return round_to_tf32(t).view(t.shape)
+
+
+@pytest.mark.parametrize("tf32", [True, False], ids=["tf32", "ieee"])
+def test_linear_flags(one_config, tf32):
+    x, w, b = rand(70, 53, dtype=F32), rand(45, 53, dtype=F32), rand(45, dtype=F32)
+    with tf32_matmuls() if tf32 else contextlib.nullcontext():
+        plain = linear(x, w, b, activation="gelu")
+        out = linear(x, w, b, activation="gelu", tf32_output=True)
+        assert torch.equal(out, rounded(plain) if tf32 else plain)
+        assert torch.equal(linear(rounded(x), w, b, activation="gelu", tf32_input=True),
+                           linear(rounded(x), w, b, activation="gelu"))
+        parts = linear_partials(rounded(x), w, b, 2, tf32_input=True)
+        assert torch.equal(parts, linear_partials(rounded(x), w, b, 2))
+
+
+@pytest.mark.parametrize("tf32", [True, False], ids=["tf32", "ieee"])
+def test_attention_flags(one_config, tf32):
+    q, k, v = rand(2, 37, 3, 3, 16, dtype=F32).unbind(2)
+    with tf32_matmuls() if tf32 else contextlib.nullcontext():
+        plain = fused_attention(q, k, v)
+        assert torch.equal(fused_attention(q, k, v, tf32_output=True), rounded(plain) if tf32 else plain)
+        q, k, v = (rounded(t) for t in (q, k, v))
+        assert torch.equal(fused_attention(q, k, v, tf32_input=True), fused_attention(q, k, v))
+
+
+@pytest.mark.parametrize("tf32", [True, False], ids=["tf32", "ieee"])
+def test_layer_norm_flags(tf32):
+    x, w, b = rand(21, 40, dtype=F32), rand(40, dtype=F32), rand(40, dtype=F32)
+    parts = rand(2, 21, 40, dtype=F32)
+    with tf32_matmuls() if tf32 else contextlib.nullcontext():
+        plain = layer_norm(x, w, b, 1e-6)
+        assert torch.equal(layer_norm(x, w, b, 1e-6, tf32_output=True), rounded(plain) if tf32 else plain)
+        total, normed = add_layer_norm(x, parts, w, b, 1e-6)
+        flagged_total, flagged = add_layer_norm(x, parts, w, b, 1e-6, tf32_output=True)
+        assert torch.equal(flagged_total, total)   # the residual stream itself is never rounded
+        assert torch.equal(flagged, rounded(normed) if tf32 else normed)
+
+
+def test_flags_change_nothing_in_16_bit(one_config):
+    x, w = rand(33, 40, dtype=torch.bfloat16), rand(24, 40, dtype=torch.bfloat16)
+    ln_w, ln_b = rand(40, dtype=torch.bfloat16), rand(40, dtype=torch.bfloat16)
+    q, k, v = rand(1, 19, 3, 2, 16, dtype=torch.bfloat16).unbind(2)
+    with tf32_matmuls():
+        assert torch.equal(linear(x, w, tf32_input=True, tf32_output=True), linear(x, w))
+        assert torch.equal(layer_norm(x, ln_w, ln_b, 1e-6, tf32_output=True), layer_norm(x, ln_w, ln_b, 1e-6))
+        assert torch.equal(fused_attention(q, k, v, tf32_input=True, tf32_output=True), fused_attention(q, k, v))
