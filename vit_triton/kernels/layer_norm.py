@@ -128,6 +128,7 @@ def _launch(x, weight, bias, out, eps: float, parts: torch.Tensor | None, total:
     _layer_norm_kernel[(triton.cdiv(M, block_m),)](
         x, weight.contiguous(), bias.contiguous(), out, parts, total,
         M, D, x.stride(0), out.stride(0), eps,
-        NUM_PARTS=0 if parts is None else parts.shape[0], Y_TF32=tf32_output and input_precision(x.dtype, None) == "tf32",
+        NUM_PARTS=0 if parts is None else parts.shape[0],
+        Y_TF32=tf32_output and input_precision(x.dtype, None) == "tf32",
         BLOCK_M=block_m, BLOCK_D=block_d, num_warps=num_warps, **pdl(x.device, triton.cdiv(M, block_m)),
     )

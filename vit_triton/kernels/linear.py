@@ -22,9 +22,10 @@ first load, a third of a GEMM's time at one image (benchmarks/NOTES.md).
 The launch config (tile, warps, stages, persistence) is chosen per shape by timing a short list of
 candidates (_tune.py), since the descriptors depend on it.
 
-float32 on tf32 tensor cores: operands are rounded to nearest tf32 as cuBLAS does; a product of
-many row tiles reads W rounded once beforehand (tf32.py) instead of rounding it in every program,
-every K step (ViT-B/16 at 256 images: benchmarks/NOTES.md 26).
+float32 on tf32 tensor cores: operands are rounded to nearest tf32 as cuBLAS does, but not in the K
+loop where avoidable (tf32.py, benchmarks/NOTES.md 26): a product of many row tiles reads W rounded
+once beforehand (W_TF32), an x that its producer stored rounded is taken as it is (X_TF32), and y is
+stored rounded for a consumer that reads it as a matmul operand (Y_TF32).
 
 Split K (linear_partials): a product too small to give every SM a tile (ViT-B/16's fc2 at one image:
 48 tiles of 64 x 64 on 132 SMs, each a 3072-deep loop) is cut into S slices along K, one program per

@@ -49,7 +49,8 @@ def _patch_embed_kernel(
     B, C, D, K, NUM_PATCHES, GRID_W, NUM_PREFIX,
     s_pb, s_pc, s_ph, s_pw, stride_wd, s_ob, s_ot,
     PATCH: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_PREFIX: tl.constexpr, HAS_POS: tl.constexpr, POS_HAS_PREFIX: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, W_TF32: tl.constexpr, PDL: tl.constexpr,   # W_TF32: W holds tf32 values already
+    INPUT_PRECISION: tl.constexpr, W_TF32: tl.constexpr,   # W_TF32: W holds tf32 values already
+    PDL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
