@@ -122,8 +122,9 @@ def _launch(x, weight, bias, out, eps: float, parts: torch.Tensor | None, total:
             tf32_output: bool) -> None:
     M, D = x.shape
     block_d = triton.next_power_of_2(D)
-    # About 4K elements a program: several rows when D is small, one 16-byte load a thread when large.
-    block_m = max(1, min(4096 // block_d, triton.next_power_of_2(M)))
+    # About 2K elements a program: several rows when D is small, two at ViT-B's 768 (one image's 197 rows
+    # then spread over 99 programs, not 50: 1.03x the forward at 1-2 images, benchmarks/NOTES.md 28).
+    block_m = max(1, min(2048 // block_d, triton.next_power_of_2(M)))
     num_warps = min(16, max(1, block_m * block_d // 512))
     _layer_norm_kernel[(triton.cdiv(M, block_m),)](
         x, weight.contiguous(), bias.contiguous(), out, parts, total,
