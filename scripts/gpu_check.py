@@ -110,7 +110,12 @@ def main() -> int:
         for name in chosen:
             if name not in known:
                 parser.error(f"unknown {what} {name!r}: expected one of {', '.join(known)}")
-    batches = [int(b) for b in args.batches.split(",")]
+    try:
+        batches = [int(b) for b in args.batches.split(",")]
+    except ValueError:
+        batches = []
+    if not batches or min(batches) < 1:
+        parser.error(f"--batches must be comma-separated positive integers, got {args.batches!r}")
     if not torch.cuda.is_available():
         print("gpu_check needs a CUDA device", file=sys.stderr)
         return 2
