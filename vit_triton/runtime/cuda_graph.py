@@ -1,9 +1,10 @@
 """Replay a model's whole forward pass as one CUDA graph per input shape.
 
 An eager forward of ViT-B issues 87 kernel launches; at small batch the GPU waits on the Python
-that issues them. Captured once per (batch, dtype), after warm-up calls that run Triton's
-tuning outside the capture, the forward becomes one graph launch reading a static input
-buffer. Graphs share one memory pool, so replays are serialised by a lock: a runner is safe to
+that issues them. Captured once per (batch, dtype) and float32 matmul precision (which the kernels
+read when they are launched, so a graph holds the one it was captured under), after warm-up calls
+that run Triton's tuning outside the capture, the forward becomes one graph launch reading a static
+input buffer. Graphs share one memory pool, so replays are serialised by a lock: a runner is safe to
 call from several threads of a serving loop.
 """
 
@@ -35,6 +36,11 @@ class CUDAGraphRunner:
         with self._lock:
             self._capture(tuple(shape), dtype, device)
 
+    @staticmethod
+    def key(shape: tuple[int, ...], dtype: torch.dtype) -> tuple:
+        """What a graph is kept under: input shape, dtype and torch.get_float32_matmul_precision()."""
+        return tuple(shape), dtype, torch.get_float32_matmul_precision()
+
     def _capture(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
         static_in = torch.randn(shape, device=device).to(dtype)
         side = torch.cuda.Stream(device)
@@ -48,14 +54,14 @@ class CUDAGraphRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool):
             static_out = self.model(static_in)
-        self._graphs[(shape, dtype)] = (graph, static_in, static_out)
+        self._graphs[self.key(shape, dtype)] = (graph, static_in, static_out)
 
     def __call__(self, pixels: torch.Tensor) -> torch.Tensor:
         """The model's output for `pixels`, from a graph replay (a fresh tensor, not the graph's buffer)."""
-        key = (tuple(pixels.shape), pixels.dtype)
+        key = self.key(pixels.shape, pixels.dtype)
         with self._lock:
             if key not in self._graphs:   # the warm-up calls validate the input like the model does
-                self._capture(*key, pixels.device)
+                self._capture(tuple(pixels.shape), pixels.dtype, pixels.device)
             graph, static_in, static_out = self._graphs[key]
             static_in.copy_(pixels)
             graph.replay()
