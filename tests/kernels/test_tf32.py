@@ -10,6 +10,7 @@ import torch
 from tests.kernels.checks import empty, raises_value_error, rand, tf32_matmuls
 from tests.numerics import DEVICE
 from vit_triton.kernels import add_layer_norm, fused_attention, layer_norm, linear, linear_partials, round_to_tf32
+from vit_triton.kernels.tf32 import TF32_WEIGHT_ROWS
 
 LINEAR, ATTENTION = (importlib.import_module(f"vit_triton.kernels.{name}") for name in ("linear", "attention"))
 F32 = torch.float32
@@ -50,7 +51,12 @@ def test_overflow_and_non_finite_values():
     big = torch.finfo(torch.float32).max
     out = round_to_tf32(torch.tensor([big, -big, float("inf"), float("-inf"), float("nan")], device=DEVICE))
     assert out[:4].tolist() == [float("inf"), float("-inf"), float("inf"), float("-inf")]
-    assert out[4].isnan()
+    # NaNs stay NaN: PyTorch's, the GPU's canonical one (all ones: adding half a tf32 ulp to its bits
+    # would carry into the sign and give -0.0), its negative and two whose payloads lie only in the bits
+    # tf32 drops (the same carry would give infinities).
+    nans = torch.tensor([0x7FC00000, 0x7FFFFFFF, -1, 0x7F800001, -0x007FF001], dtype=torch.int32,
+                        device=DEVICE).view(torch.float32)
+    assert out[4].isnan() and round_to_tf32(nans).isnan().all(), round_to_tf32(nans)
 
 
 def test_any_layout():
@@ -118,6 +124,20 @@ def test_layer_norm_flags(tf32):
         flagged_total, flagged = add_layer_norm(x, parts, w, b, 1e-6, tf32_output=True)
         assert torch.equal(flagged_total, total)   # the residual stream itself is never rounded
         assert torch.equal(flagged, rounded(normed) if tf32 else normed)
+
+
+@pytest.mark.parametrize("rows", [3, TF32_WEIGHT_ROWS], ids=["weight-rounded-in-kernel", "weight-rounded-once"])
+def test_nan_operands_give_nan_not_zero(rows):
+    # The GPU's own NaN (bits all ones) rounded on the bits alone would become -0.0 and vanish from the
+    # product; in x, in W, or written by a producer, it must reach the output.
+    x, w = rand(rows, 40, dtype=F32), rand(24, 40, dtype=F32)
+    x.view(torch.int32)[1, 5] = 0x7FFFFFFF
+    w.view(torch.int32)[7, 3] = 0x7FFFFFFF
+    with tf32_matmuls():
+        out = linear(x, w, tf32_output=True)
+        assert out[1].isnan().all() and out[:, 7].isnan().all()
+        assert not out[0, :7].isnan().any()
+        assert linear(out, rand(5, 24, dtype=F32), tf32_input=True)[1].isnan().all()
 
 
 def test_flags_change_nothing_in_16_bit(one_config):

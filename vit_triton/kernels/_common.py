@@ -86,9 +86,11 @@ def mma(a, b, acc, INPUT_PRECISION: tl.constexpr, A_TF32: tl.constexpr, B_TF32: 
 def to_tf32(x):
     """x rounded to tf32's 10 mantissa bits, to nearest with ties away from zero (cvt.rna.tf32.f32,
     what cuBLAS does). The tensor cores would drop the 13 low bits instead: a biased error about
-    2.6x cuBLAS's at K=768. Under the interpreter, whose dot is exact fp32, this makes it tf32."""
+    2.6x cuBLAS's at K=768. Under the interpreter, whose dot is exact fp32, this makes it tf32.
+    A NaN stays NaN: on its bits alone the GPU's NaN (all ones) would carry into the sign bit and become
+    -0.0, and one whose payload lies only in the 13 low bits would become an infinity."""
     bits = x.to(tl.uint32, bitcast=True)
-    return ((bits + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+    return tl.where(x == x, ((bits + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True), x)
 
 
 @triton.jit

@@ -47,7 +47,7 @@ def _round_to_tf32_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexp
 
 def round_to_tf32(t: torch.Tensor) -> torch.Tensor:
     """A contiguous copy of float32 t with every element rounded to tf32 (10 mantissa bits, to nearest,
-    ties away from zero); infinities and NaNs stay what they are, values that round past the largest
+    ties away from zero); infinities stay infinite and NaNs NaN, values that round past the largest
     float32 become infinite."""
     check_dtype("t", t, torch.float32)
     t = t.contiguous()
