@@ -84,7 +84,8 @@ def launch_linear(cfg, x, w, b, r, y, act, persistent: int, tma: bool):
     """One launch through the package's launch function; cfg: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps,
     num_stages)."""
     flags = dict(HAS_BIAS=True, ACT=act, HAS_RESIDUAL=r is not None, HAS_SCALE=False,
-                 INPUT_PRECISION=input_precision(x.dtype, True), USE_TMA=tma, SPLIT_K=1)
+                 INPUT_PRECISION=input_precision(x.dtype, True), X_TF32=False, W_TF32=False, Y_TF32=False,
+                 USE_TMA=tma, SPLIT_K=1)
     linear_mod.launch_linear(Config(*cfg, persistent), x, w, b, r, y, 1.0, flags)
 
 
@@ -150,7 +151,8 @@ def sweep_attention(dtype, shapes) -> list[dict]:
                 attention_mod._attention_kernel.fn[(B * H, triton.cdiv(T, bm))](
                     q, k, v, o, T, H, triton.next_power_of_2(B * H), Dh ** -0.5 * math.log2(math.e),
                     *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
-                    HEAD_DIM=Dh, BLOCK_D=Dh, INPUT_PRECISION="ieee", BLOCK_M=bm, BLOCK_N=bn,
+                    HEAD_DIM=Dh, BLOCK_D=Dh, INPUT_PRECISION="ieee", QKV_TF32=False, O_TF32=False,
+                    BLOCK_M=bm, BLOCK_N=bn,
                     num_warps=warps, num_stages=stages, **pdl(q.device, B * H * triton.cdiv(T, bm)))
             try:
                 run()
