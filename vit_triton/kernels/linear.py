@@ -259,12 +259,10 @@ def linear(
                 raise ValueError(f"{name} must have unit stride along N, got strides {t.stride()}")
     if out is None:
         out = torch.empty((M, N), device=x.device, dtype=x.dtype)
-    precision = input_precision(x.dtype, allow_tf32)
-    weight, w_tf32 = tf32_weight(weight, M, precision)
-    tf32 = precision == "tf32"
+    weight, precision = _precision(x, weight, allow_tf32, tf32_input)
     flags = dict(HAS_BIAS=bias is not None, ACT=activation, HAS_RESIDUAL=residual is not None,
-                 HAS_SCALE=scale != 1.0, INPUT_PRECISION=precision, X_TF32=tf32 and tf32_input, W_TF32=w_tf32,
-                 Y_TF32=tf32 and tf32_output, USE_TMA=tma_ready(x, weight, residual, out), SPLIT_K=1)
+                 HAS_SCALE=scale != 1.0, **precision, Y_TF32=precision["INPUT_PRECISION"] == "tf32" and tf32_output,
+                 USE_TMA=tma_ready(x, weight, residual, out), SPLIT_K=1)
     _tuned_launch(x, weight, bias, residual, out, scale, flags)
     return out
 
@@ -286,11 +284,9 @@ def linear_partials(
     weight, bias = _checked(x, weight, bias)
     M, N = x.shape[0], weight.shape[0]
     parts = torch.empty((splits * M, N), device=x.device, dtype=torch.float32)   # the slices one above the other
-    precision = input_precision(x.dtype, allow_tf32)
-    weight, w_tf32 = tf32_weight(weight, M, precision)
-    flags = dict(HAS_BIAS=bias is not None, ACT="none", HAS_RESIDUAL=False, HAS_SCALE=False,
-                 INPUT_PRECISION=precision, X_TF32=precision == "tf32" and tf32_input, W_TF32=w_tf32, Y_TF32=False,
-                 USE_TMA=tma_ready(x, weight, parts), SPLIT_K=splits)
+    weight, precision = _precision(x, weight, allow_tf32, tf32_input)
+    flags = dict(HAS_BIAS=bias is not None, ACT="none", HAS_RESIDUAL=False, HAS_SCALE=False, **precision,
+                 Y_TF32=False, USE_TMA=tma_ready(x, weight, parts), SPLIT_K=splits)
     _tuned_launch(x, weight, bias, None, parts, 1.0, flags)
     return parts.view(splits, M, N)
 
@@ -313,6 +309,15 @@ def _checked(x, weight, bias, *others):
         check_dtype("bias", bias, x.dtype)
         bias = bias.contiguous()
     return weight, bias
+
+
+def _precision(x, weight, allow_tf32: bool | None, tf32_input: bool) -> tuple[torch.Tensor, dict]:
+    """(weight as the kernel reads it, the INPUT_PRECISION, X_TF32 and W_TF32 flags): with tf32 matmuls,
+    W rounded once beforehand for a product of many rows (tf32.py), and x taken as it is when its
+    producer stored it rounded."""
+    precision = input_precision(x.dtype, allow_tf32)
+    weight, w_tf32 = tf32_weight(weight, x.shape[0], precision)
+    return weight, dict(INPUT_PRECISION=precision, X_TF32=precision == "tf32" and tf32_input, W_TF32=w_tf32)
 
 
 def _tuned_launch(x, weight, bias, residual, out, scale: float, flags: dict) -> None:
