@@ -1,7 +1,6 @@
 """linear: y = scale * (act(x @ W^T + b) [+ residual]) against F.linear and PyTorch's activations; linear_partials
 and split_k (split K)."""
 
-import importlib
 import itertools
 import threading
 from functools import partial
@@ -16,11 +15,11 @@ from tests.kernels.checks import (
 )
 from tests.numerics import DEVICE, assert_close
 from vit_triton.kernels import ACTIVATIONS, linear, linear_partials, split_k
+from vit_triton.kernels import tf32 as TF32
 from vit_triton.kernels._common import num_programs
 from vit_triton.kernels.linear import MAX_SPLITS, SPLIT_MAX_TILES, SPLIT_MIN_DEPTH, SPLIT_TILE, SPLITS
 from vit_triton.kernels.tf32 import TF32_WEIGHT_ROWS
 
-LINEAR, TF32 = (importlib.import_module(f"vit_triton.kernels.{name}") for name in ("linear", "tf32"))
 
 TORCH_ACTIVATIONS = {
     "none": lambda y: y,
@@ -121,10 +120,8 @@ def test_tf32_operands_are_rounded_not_truncated(rows, operand):
     assert torch.equal(out, torch.full_like(out, 256 * (1.0 + 2 ** -10))), out[0, 0].item()
 
 
-def test_weight_rounded_once_gives_the_bits_of_rounding_in_the_kernel(monkeypatch):
+def test_weight_rounded_once_gives_the_bits_of_rounding_in_the_kernel(monkeypatch, one_config):
     # One launch config for both, so that only where W is rounded differs.
-    candidates = LINEAR._candidates
-    monkeypatch.setattr(LINEAR, "_candidates", lambda m, dtype: candidates(m, dtype)[:1])
     x, w, b, r = inputs(TF32_WEIGHT_ROWS + 3, 45, 53, torch.float32, strided=True)
     once = linear(x, w, b, activation="gelu", residual=r, allow_tf32=True)
     monkeypatch.setattr(TF32, "TF32_WEIGHT_ROWS", TF32_WEIGHT_ROWS * 10)

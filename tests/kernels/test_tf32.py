@@ -2,7 +2,6 @@
 tf32_input and tf32_output flags."""
 
 import contextlib
-import importlib
 
 import pytest
 import torch
@@ -12,7 +11,6 @@ from tests.numerics import DEVICE
 from vit_triton.kernels import add_layer_norm, fused_attention, layer_norm, linear, linear_partials, round_to_tf32
 from vit_triton.kernels.tf32 import TF32_WEIGHT_ROWS
 
-LINEAR, ATTENTION = (importlib.import_module(f"vit_triton.kernels.{name}") for name in ("linear", "attention"))
 F32 = torch.float32
 
 ULP = 2.0 ** -10   # tf32's spacing on [1, 2)
@@ -78,14 +76,7 @@ def test_bad_dtype(dtype):
 # The tf32_output / tf32_input flags of the kernels that write and read matmul operands: a flagged
 # output is the unflagged one rounded (round_to_tf32), a flagged input skips a rounding that changes
 # nothing, and with tf32 off (or in 16-bit) the flags change nothing. One launch config for each
-# kernel, so that only the flags differ.
-@pytest.fixture
-def one_config(monkeypatch):
-    candidates = LINEAR._candidates
-    monkeypatch.setattr(LINEAR, "_candidates", lambda m, dtype: candidates(m, dtype)[:1])
-    monkeypatch.setattr(ATTENTION._attention_kernel, "configs", ATTENTION._attention_kernel.configs[:1])
-
-
+# kernel (one_config), so that only the flags differ.
 def rounded(t):
     return round_to_tf32(t).view(t.shape)
 
