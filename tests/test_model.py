@@ -87,6 +87,18 @@ def test_tf32_operands_rounded_by_their_producers_change_no_bit(monkeypatch, var
         assert torch.equal(model(pixels), rounded_once)
 
 
+def test_tf32_follows_weights_loaded_in_place():
+    # tf32 GEMMs read rounded copies of the weights kept from the first call (kernels/tf32.py); loading
+    # other weights into the model must reach them.
+    model, other = _model(torch.float32), _model(torch.float32)
+    pixels = torch.randn(2, 3, model.config.image_size, model.config.image_size, device=DEVICE)
+    with tf32_matmuls():
+        before = model(pixels)
+        model.load_state_dict(other.state_dict())
+        after = model(pixels)
+        assert not torch.equal(after, before) and torch.equal(after, other(pixels))
+
+
 def test_distilled_pre_logits_is_the_mean_of_class_and_distillation_tokens():
     model = _model(torch.float32, **VARIANTS["deit-distilled"])
     pixels = torch.randn(3, 3, 24, 24, device=DEVICE)

@@ -47,3 +47,20 @@ def test_replay_follows_the_float32_matmul_precision():
     with tf32_matmuls():
         torch.testing.assert_close(runner(pixels), model(pixels), rtol=0, atol=0)
     torch.testing.assert_close(runner(pixels), exact, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a CUDA device")
+def test_tf32_replay_follows_weights_changed_in_place():
+    # A tf32 graph reads the weights' kept rounded copies (kernels/tf32.py), brought up to date before
+    # each replay, in the memory the graph was captured with.
+    model = ViT(PRESETS["tiny"], device=DEVICE).eval()
+    pixels = torch.randn(2, 3, 40, 40, device=DEVICE)
+    with tf32_matmuls():
+        runner = vit_triton.compile(model, batch_sizes=[2], dtype=torch.float32)
+        before = runner(pixels)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1.5)
+        after = runner(pixels)
+        assert not torch.equal(after, before)
+        torch.testing.assert_close(after, model(pixels), rtol=0, atol=0)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.numerics import DEVICE, DTYPES, LOW_PRECISION_FACTOR, assert_close, rel_err
+from vit_triton.kernels.tf32 import TF32_WEIGHT_ROWS
 
 # @each_dtype on a test runs it once per dtype, with readable ids ("float32", "bfloat16", "float16").
 each_dtype = pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
@@ -55,6 +56,20 @@ def tf32_matmuls():
         yield
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+# Where a tf32 GEMM gets its weight rounded (kernels/tf32.py): the copy kept with the weight, or, for an
+# inference tensor (no version counter, so no copy is kept), in the K loop below TF32_WEIGHT_ROWS rows
+# and rounded for the call from there on. large: the product has at least TF32_WEIGHT_ROWS rows.
+TF32_WEIGHT_PATHS = pytest.mark.parametrize("large, inference_weight", [(False, False), (False, True), (True, True)],
+                                            ids=["weight-copy-kept", "weight-rounded-in-kernel",
+                                                 "weight-rounded-for-the-call"])
+
+
+def inference(t: torch.Tensor) -> torch.Tensor:
+    """A copy of t made in inference mode: it has no version counter, so no tf32 copy is kept of it."""
+    with torch.inference_mode():
+        return t.clone()
 
 
 def tf32_emulated(t: torch.Tensor) -> torch.Tensor:

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from tests.kernels.checks import (
-    assert_like_torch, assert_written_in_place, check, each_dtype, empty, nan_filled, rand, raises_value_error, reference,
-    tf32_emulated, tf32_matmuls,
+    TF32_WEIGHT_PATHS, assert_like_torch, assert_written_in_place, check, each_dtype, empty, inference, nan_filled, rand,
+    raises_value_error, reference, tf32_emulated, tf32_matmuls,
 )
 from tests.numerics import DEVICE, assert_close
 from vit_triton.kernels import ACTIVATIONS, linear, linear_partials, split_k
@@ -106,26 +106,27 @@ def test_float32_matmul_precision(allow_tf32):
         assert_like_torch(out, ref, torch_out)
 
 
-@pytest.mark.parametrize("rows", [TF32_WEIGHT_ROWS - 1, TF32_WEIGHT_ROWS], ids=["weight-rounded-in-kernel",
-                                                                             "weight-rounded-once"])
+@TF32_WEIGHT_PATHS
 @pytest.mark.parametrize("operand", ["x", "weight"])
-def test_tf32_operands_are_rounded_not_truncated(rows, operand):
+def test_tf32_operands_are_rounded_not_truncated(large, inference_weight, operand):
     # Operands just under a tf32 rounding boundary: truncating them would make every product low,
-    # a bias that grows with K; rounding them keeps the sum as close as cuBLAS gets it. From
-    # TF32_WEIGHT_ROWS rows on, the weight is rounded once before the GEMM (kernels/tf32.py).
+    # a bias that grows with K; rounding them keeps the sum as close as cuBLAS gets it.
     near = 1.0 + 2 ** -10 - 2 ** -22
+    rows = TF32_WEIGHT_ROWS if large else TF32_WEIGHT_ROWS - 1
     x = torch.full((rows, 256), near if operand == "x" else 1.0, device=DEVICE)
     w = torch.full((32, 256), near if operand == "weight" else 1.0, device=DEVICE)
-    out = linear(x, w, allow_tf32=True)
+    out = linear(x, inference(w) if inference_weight else w, allow_tf32=True)
     assert torch.equal(out, torch.full_like(out, 256 * (1.0 + 2 ** -10))), out[0, 0].item()
 
 
-def test_weight_rounded_once_gives_the_bits_of_rounding_in_the_kernel(monkeypatch, one_config):
-    # One launch config for both, so that only where W is rounded differs.
+def test_every_weight_path_gives_the_same_bits(monkeypatch, one_config):
+    # One launch config for all, so that only where W is rounded differs: the kept copy, a copy for
+    # the call, and the K loop (an inference tensor, with the row threshold out of reach).
     x, w, b, r = inputs(TF32_WEIGHT_ROWS + 3, 45, 53, torch.float32, strided=True)
-    once = linear(x, w, b, activation="gelu", residual=r, allow_tf32=True)
+    kept = linear(x, w, b, activation="gelu", residual=r, allow_tf32=True)
+    assert torch.equal(kept, linear(x, inference(w), b, activation="gelu", residual=r, allow_tf32=True))
     monkeypatch.setattr(TF32, "TF32_WEIGHT_ROWS", TF32_WEIGHT_ROWS * 10)
-    assert torch.equal(once, linear(x, w, b, activation="gelu", residual=r, allow_tf32=True))
+    assert torch.equal(kept, linear(x, inference(w), b, activation="gelu", residual=r, allow_tf32=True))
 
 
 @each_dtype

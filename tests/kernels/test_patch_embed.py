@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from tests.kernels.checks import (
-    assert_like_torch, assert_written_in_place, check, empty, nan_filled, rand, raises_value_error, reference,
-    tf32_emulated, tf32_matmuls,
+    TF32_WEIGHT_PATHS, assert_like_torch, assert_written_in_place, check, empty, inference, nan_filled, rand,
+    raises_value_error, reference, tf32_emulated, tf32_matmuls,
 )
 from vit_triton.kernels import patch_embed
 from vit_triton.kernels.tf32 import TF32_WEIGHT_ROWS
@@ -86,16 +86,14 @@ def test_every_element_is_written_in_place(dtype, pixel_dtype):
     check(result, torch_patch_embed, *args)
 
 
-@pytest.mark.parametrize("images", [1, -(-TF32_WEIGHT_ROWS // 96)], ids=["weight-rounded-in-kernel",
-                                                                       "weight-rounded-once"])
-def test_tf32(images):
-    # 96 patches an image: from TF32_WEIGHT_ROWS patches on, the weight is rounded once beforehand.
-    # Held to 1.5x the error of PyTorch's convolution on operands rounded to tf32 (cuDNN may not pick
-    # a tf32 algorithm for a small convolution, so tf32 is emulated on every device).
-    args = inputs(images, 3, 64, 96, 8, 1, "all", True, torch.float32, torch.float32)
+@TF32_WEIGHT_PATHS
+def test_tf32(large, inference_weight):
+    # 96 patches an image. Held to 1.5x the error of PyTorch's convolution on operands rounded to tf32
+    # (cuDNN may not pick a tf32 algorithm for a small convolution, so tf32 is emulated on every device).
+    px, w, *rest = args = inputs(-(-TF32_WEIGHT_ROWS // 96) if large else 1, 3, 64, 96, 8, 1, "all", True,
+                                 torch.float32, torch.float32)
     with tf32_matmuls():
-        out = patch_embed(*args)
-    px, w, *rest = args
+        out = patch_embed(px, inference(w) if inference_weight else w, *rest)
     assert_like_torch(out, reference(torch_patch_embed, *args),
                       torch_patch_embed(tf32_emulated(px), tf32_emulated(w), *rest))
 

@@ -2,13 +2,16 @@
 tf32_input and tf32_output flags."""
 
 import contextlib
+import gc
+import weakref
 
 import pytest
 import torch
 
-from tests.kernels.checks import empty, raises_value_error, rand, tf32_matmuls
+from tests.kernels.checks import TF32_WEIGHT_PATHS, empty, inference, raises_value_error, rand, tf32_matmuls
 from tests.numerics import DEVICE
 from vit_triton.kernels import add_layer_norm, fused_attention, layer_norm, linear, linear_partials, round_to_tf32
+from vit_triton.kernels import tf32 as TF32
 from vit_triton.kernels.tf32 import TF32_WEIGHT_ROWS
 
 F32 = torch.float32
@@ -73,6 +76,101 @@ def test_bad_dtype(dtype):
         round_to_tf32(empty(4, dtype=dtype))
 
 
+def test_out():
+    t = torch.randn(5, 7, device=DEVICE)
+    out = torch.full_like(t, float("nan"))
+    assert round_to_tf32(t, out=out) is out and torch.equal(out, round_to_tf32(t))
+
+
+@pytest.mark.parametrize("out, got", [
+    (empty(7, 5), "torch.float32 (7, 5) on"),
+    (empty(5, 7, dtype=torch.float64), "torch.float64 (5, 7) on"),
+    (empty(7, 5).t(), "torch.float32 (5, 7) on"),   # not contiguous
+])
+def test_bad_out(out, got):
+    t = empty(5, 7)
+    with raises_value_error(f"out must be a contiguous torch.float32 tensor of shape (5, 7) on {t.device}, "
+                            f"got {got} {t.device}"):
+        round_to_tf32(t, out=out)
+
+
+# The rounded copy of a weight that tf32 GEMMs keep (tf32.py): made once, rounded again in place when
+# the weight changes through its version counter, gone with the weight.
+def kept(w):
+    return TF32._copies[id(w)].rounded
+
+
+def test_the_copy_is_made_once_and_kept(monkeypatch):
+    x, w = rand(3, 40, dtype=F32), rand(24, 40, dtype=F32)
+    with tf32_matmuls():
+        first = linear(x, w)
+        copy = kept(w)
+        assert torch.equal(copy, rounded(w))
+        roundings = []
+        monkeypatch.setattr(TF32, "round_to_tf32", lambda *a, **k: roundings.append(a))
+        assert torch.equal(linear(x, w), first) and kept(w) is copy and not roundings
+
+
+@pytest.mark.parametrize("change", ["add_", "copy_", "optimizer step", "load_state_dict"])
+def test_the_copy_follows_in_place_changes(change):
+    x = rand(3, 40, dtype=F32)
+    layer = torch.nn.Linear(40, 24, device=DEVICE)
+    w = layer.weight
+    with tf32_matmuls():
+        linear(x, w, layer.bias)
+        address = kept(w).data_ptr()
+        if change == "optimizer step":
+            layer(x).square().sum().backward()
+            torch.optim.SGD(layer.parameters(), lr=1.0).step()
+        elif change == "load_state_dict":
+            layer.load_state_dict(torch.nn.Linear(40, 24, device=DEVICE).state_dict())
+        else:
+            with torch.no_grad():
+                getattr(w, change)(torch.randn_like(w))
+        out = linear(x, w, layer.bias)
+        assert torch.equal(out, linear(x, inference(w), layer.bias))   # no copy kept: rounded in the kernel
+        assert torch.equal(kept(w), rounded(w)) and kept(w).data_ptr() == address   # same memory: graphs stay right
+
+
+def test_refresh_copies_rounds_stale_copies_in_place():
+    w = rand(24, 40, dtype=F32)
+    with tf32_matmuls():
+        linear(rand(3, 40, dtype=F32), w)
+    address = kept(w).data_ptr()
+    with torch.no_grad():
+        w.mul_(3.0)
+    assert not torch.equal(kept(w), rounded(w))
+    TF32.refresh_copies()
+    assert torch.equal(kept(w), rounded(w)) and kept(w).data_ptr() == address
+
+
+def test_copies_leave_with_their_weights_and_clear_copies_drops_them():
+    w = rand(24, 40, dtype=F32)
+    with tf32_matmuls():
+        linear(rand(3, 40, dtype=F32), w)
+        assert id(w) in TF32._copies
+        ref = weakref.ref(kept(w))
+        del w
+        gc.collect()
+        assert ref() is None
+        x, w = rand(3, 40, dtype=F32), rand(24, 40, dtype=F32)
+        linear(x, w)
+        w.data.copy_(rand(24, 40, dtype=F32))   # behind the version counter: the copy cannot see it
+        TF32.clear_copies()
+        assert id(w) not in TF32._copies
+        assert torch.equal(linear(x, w), linear(x, inference(w))) and torch.equal(kept(w), rounded(w))
+
+
+def test_no_copy_without_tf32_or_of_an_inference_tensor():
+    x, w = rand(3, 40, dtype=F32), rand(24, 40, dtype=F32)
+    linear(x, w, allow_tf32=False)
+    assert id(w) not in TF32._copies
+    with tf32_matmuls():
+        frozen = inference(w)
+        linear(x, frozen)
+        assert id(frozen) not in TF32._copies
+
+
 # The tf32_output / tf32_input flags of the kernels that write and read matmul operands: a flagged
 # output is the unflagged one rounded (round_to_tf32), a flagged input skips a rounding that changes
 # nothing, and with tf32 off (or in 16-bit) the flags change nothing. One launch config for each
@@ -117,13 +215,14 @@ def test_layer_norm_flags(tf32):
         assert torch.equal(flagged, rounded(normed) if tf32 else normed)
 
 
-@pytest.mark.parametrize("rows", [3, TF32_WEIGHT_ROWS], ids=["weight-rounded-in-kernel", "weight-rounded-once"])
-def test_nan_operands_give_nan_not_zero(rows):
+@TF32_WEIGHT_PATHS
+def test_nan_operands_give_nan_not_zero(large, inference_weight):
     # The GPU's own NaN (bits all ones) rounded on the bits alone would become -0.0 and vanish from the
     # product; in x, in W, or written by a producer, it must reach the output.
-    x, w = rand(rows, 40, dtype=F32), rand(24, 40, dtype=F32)
+    x, w = rand(TF32_WEIGHT_ROWS if large else 3, 40, dtype=F32), rand(24, 40, dtype=F32)
     x.view(torch.int32)[1, 5] = 0x7FFFFFFF
     w.view(torch.int32)[7, 3] = 0x7FFFFFFF
+    w = inference(w) if inference_weight else w
     with tf32_matmuls():
         out = linear(x, w, tf32_output=True)
         assert out[1].isnan().all() and out[:, 7].isnan().all()

@@ -6,8 +6,14 @@ registers to shared memory (wgmma reads B from there only) and the x tile is fed
 every K step of every program: ViT-B/16's GEMMs ran 1.3-2.1x slower for it on an H100
 (benchmarks/NOTES.md 26). So the operands come rounded:
 
-- weights: a product of at least TF32_WEIGHT_ROWS rows reads a copy rounded by round_to_tf32, one
-  pass over W a call (smaller ones round W in the kernel: the copy would cost more than it saves);
+- weights: a GEMM reads a copy of W rounded once by round_to_tf32 and kept while W lives (tf32_weight).
+  The copy follows in-place changes to W (optimizer steps, load_state_dict, copy_): W's version counter
+  tells, and the copy is rounded again, in place, so a CUDA graph that reads it stays right as long as
+  refresh_copies() runs before each replay (runtime.CUDAGraphRunner does). Writes that bypass the
+  counter (through `.data` or the storage) are not seen: clear_copies() drops every copy. Where no copy
+  may be kept (an inference tensor has no version counter; nothing is allocated during a CUDA-graph
+  capture), a product of at least TF32_WEIGHT_ROWS rows reads a copy rounded for the call and a smaller
+  one rounds W in its K loop. The kept copies take as much memory again as the float32 weights;
 - activations: a kernel whose output is read only as a matmul operand (in a ViT the LayerNorms before
   qkv and fc1, qkv itself, attention, fc1) stores it rounded (its tf32_output flag), and the kernel
   that reads it is told so (tf32_input) and does not round it again.
@@ -22,6 +28,10 @@ elements moved (8 bytes each), so memory-bound.
 
 from __future__ import annotations
 
+import threading
+import weakref
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -29,8 +39,8 @@ import triton.language as tl
 from ._common import INTERPRET, check_dtype, pdl, start_next_kernel, to_tf32, wait_for_previous_kernel
 
 BLOCK = 4096   # elements a program: 16 KB read, 16 KB written
-# A GEMM of at least this many rows reads its weight rounded beforehand (benchmarks/NOTES.md 26); 64
-# under the interpreter, so that tests reach both paths at small sizes.
+# Without a kept copy, a GEMM of at least this many rows reads its weight rounded for the call
+# (benchmarks/NOTES.md 26); 64 under the interpreter, so that tests reach both paths at small sizes.
 TF32_WEIGHT_ROWS = 64 if INTERPRET else 1024
 
 
@@ -45,13 +55,17 @@ def _round_to_tf32_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexp
     tl.store(y_ptr + offs, to_tf32(x), mask=mask)
 
 
-def round_to_tf32(t: torch.Tensor) -> torch.Tensor:
+def round_to_tf32(t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """A contiguous copy of float32 t with every element rounded to tf32 (10 mantissa bits, to nearest,
     ties away from zero); infinities stay infinite and NaNs NaN, values that round past the largest
-    float32 become infinite."""
+    float32 become infinite. out: a contiguous tensor of t's shape to write it to."""
     check_dtype("t", t, torch.float32)
     t = t.contiguous()
-    out = torch.empty_like(t)
+    if out is None:
+        out = torch.empty_like(t)
+    elif out.shape != t.shape or out.dtype != t.dtype or out.device != t.device or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {t.dtype} tensor of shape {tuple(t.shape)} on {t.device}, "
+                         f"got {out.dtype} {tuple(out.shape)} on {out.device}")
     programs = triton.cdiv(t.numel(), BLOCK)
     if programs:
         launch = pdl(t.device, programs)
@@ -59,10 +73,87 @@ def round_to_tf32(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@dataclass
+class _Copy:
+    """A weight's rounded copy and what the weight was when it was rounded."""
+
+    weight: weakref.ref
+    rounded: torch.Tensor
+    data_ptr: int = -1
+    version: int = -1
+
+    def fresh(self, weight: torch.Tensor) -> bool:
+        return weight.data_ptr() == self.data_ptr and weight._version == self.version
+
+    def fits(self, weight: torch.Tensor) -> bool:
+        return self.rounded.shape == weight.shape and self.rounded.device == weight.device
+
+    def refresh(self, weight: torch.Tensor) -> None:
+        """Rounds the weight again, into the same memory (the address a CUDA graph holds)."""
+        round_to_tf32(weight, out=self.rounded)
+        self.data_ptr, self.version = weight.data_ptr(), weight._version
+
+
+# id(weight) -> its copy. Not a WeakKeyDictionary: that compares keys with ==, elementwise for tensors.
+# An entry leaves when its weight is freed (the weakref's callback, which takes no lock: it may run
+# inside any allocation, lock held or not).
+_copies: dict[int, _Copy] = {}
+_lock = threading.Lock()
+
+
+def _forget(ref: weakref.ref, key: int) -> None:
+    copy = _copies.get(key)
+    if copy is not None and copy.weight is ref:
+        _copies.pop(key, None)
+
+
+def _kept_copy(weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight's kept rounded copy, made or brought up to date; None where none may be kept."""
+    if weight.is_inference():
+        return None
+    key = id(weight)
+    copy = _copies.get(key)
+    if copy is not None and copy.weight() is weight and copy.fresh(weight):
+        return copy.rounded
+    if weight.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    with _lock:
+        copy = _copies.get(key)
+        if copy is None or copy.weight() is not weight or not copy.fits(weight):
+            ref = weakref.ref(weight, lambda ref, key=key: _forget(ref, key))
+            with torch.inference_mode(False):   # a normal tensor even when made inside inference mode
+                rounded = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+            copy = _copies[key] = _Copy(ref, rounded)
+        if not copy.fresh(weight):
+            copy.refresh(weight)
+        return copy.rounded
+
+
+def refresh_copies() -> None:
+    """Rounds again, in place, every kept copy whose weight changed since it was rounded. A CUDA graph
+    reads the copies at the addresses it was captured with: call this before each replay."""
+    with _lock:
+        for copy in list(_copies.values()):
+            weight = copy.weight()
+            if weight is not None and not copy.fresh(weight) and copy.fits(weight):
+                copy.refresh(weight)
+
+
+def clear_copies() -> None:
+    """Drops every kept copy (after writes a version counter does not see, or to free their memory)."""
+    with _lock:
+        _copies.clear()
+
+
 def tf32_weight(weight: torch.Tensor, rows: int, precision: str) -> tuple[torch.Tensor, bool]:
-    """(weight as a GEMM of `rows` rows should read it, whether it holds tf32 values): a rounded copy
-    for a tf32 product of at least TF32_WEIGHT_ROWS rows, else the weight as it is (the GEMM rounds)."""
-    if precision == "tf32" and rows >= TF32_WEIGHT_ROWS:
+    """(weight as a GEMM of `rows` rows should read it, whether it holds tf32 values): for a tf32 product,
+    the kept rounded copy or, where none may be kept, a copy rounded now for a product of at least
+    TF32_WEIGHT_ROWS rows; else the weight as it is (the GEMM rounds it, or it is not tf32)."""
+    if precision != "tf32":
+        return weight, False
+    kept = _kept_copy(weight)
+    if kept is not None:
+        return kept, True
+    if rows >= TF32_WEIGHT_ROWS:
         return round_to_tf32(weight), True
     return weight, False
-

@@ -5,7 +5,9 @@ that issues them. Captured once per (batch, dtype) and float32 matmul precision 
 read when they are launched, so a graph holds the one it was captured under), after warm-up calls
 that run Triton's tuning outside the capture, the forward becomes one graph launch reading a static
 input buffer. Graphs share one memory pool, so replays are serialised by a lock: a runner is safe to
-call from several threads of a serving loop.
+call from several threads of a serving loop. A graph reads the weights where they lie, so in-place
+weight updates reach it; with tf32 it reads their rounded copies, which are brought up to date before
+each replay (kernels/tf32.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Iterable
 
 import torch
 
+from ..kernels.tf32 import refresh_copies
 from ..model import ViT
 
 
@@ -63,6 +66,7 @@ class CUDAGraphRunner:
             if key not in self._graphs:   # the warm-up calls validate the input like the model does
                 self._capture(tuple(pixels.shape), pixels.dtype, pixels.device)
             graph, static_in, static_out = self._graphs[key]
+            refresh_copies()
             static_in.copy_(pixels)
             graph.replay()
             return static_out.clone()
