@@ -15,16 +15,19 @@ import pytest
 import torch
 
 from tests.checkpoints import hf_model, save_hf, save_timm, timm_model, write_bad_files, write_images
-from tests.numerics import assert_close
+from tests.numerics import DEVICE, assert_close
 from vit_triton import from_pretrained
 from vit_triton.cli import main
 from vit_triton.data import Preprocess, load_image
 from vit_triton.data.files import list_inputs
+from vit_triton.pipelines.embed import _device as embed_device
+from vit_triton.pipelines.store import UsageError
 
 pq = pytest.importorskip("pyarrow.parquet")
 
 # Small chunks and batches, so that a dozen images make several of each (and a partial last one).
-RUN = ["--chunk-size", "4", "--batch-size", "3", "--num-workers", "1", "--no-progress"]
+# float32 on a GPU too (whose default is bf16), so that outputs compare with direct float32 calls
+RUN = ["--chunk-size", "4", "--batch-size", "3", "--num-workers", "1", "--no-progress", "--dtype", "fp32"]
 
 
 @pytest.fixture(scope="module")
@@ -49,12 +52,12 @@ def _embed(*args: str) -> int:
 
 def _direct(model_dir: str, paths: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
     """(pooled, tokens) of `paths` from the model called directly, in one batch."""
-    model = from_pretrained(model_dir, device="cpu", dtype=torch.float32)
+    model = from_pretrained(model_dir, device=DEVICE, dtype=torch.float32)   # where `embed` runs it
     pre = Preprocess.for_model(model)
-    pixels = torch.stack([pre(load_image(p)) for p in paths])
+    pixels = torch.stack([pre(load_image(p)) for p in paths]).to(DEVICE)
     with torch.no_grad():
         features = model.forward_features(pixels)
-        return model.forward_head(features, pre_logits=True), features
+        return model.forward_head(features, pre_logits=True).cpu(), features.cpu()
 
 
 def _read_parquet(path) -> tuple[list[str], np.ndarray]:
@@ -150,6 +153,7 @@ def test_resume_after_kill_9_has_no_duplicates_and_no_gaps(single, work, capsys)
     assert skipped == (work / "single.skipped.tsv").read_text() + "blocks.fifo\tcannot read file: No such file or directory\n"
 
 
+@pytest.mark.skipif(0 < torch.cuda.device_count() < 2, reason="two ranks on CUDA need two devices")
 def test_torchrun_two_processes_write_what_one_does(single, work):
     torchrun = Path(sys.executable).parent / "torchrun"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -160,6 +164,18 @@ def test_torchrun_two_processes_write_what_one_does(single, work):
     assert result.stdout.count("vit-triton embed: done 14, skipped 4") == 1  # rank 0 alone reports
     assert pq.read_table(work / "two.parquet").equals(pq.read_table(single))
     assert (work / "two.skipped.tsv").read_text() == (work / "single.skipped.tsv").read_text()
+
+
+def test_a_rank_without_its_gpu_is_named(monkeypatch):
+    # Under torchrun each process takes cuda:LOCAL_RANK; more processes than GPUs is a usage error, said as
+    # such before CUDA answers "invalid device ordinal".
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(UsageError, match=r"LOCAL_RANK 1 needs cuda:1, but this machine has 1 CUDA device\(s\): run at "
+                                         r"most that many processes a node \(torchrun --nproc-per-node\) or pass --device"):
+        embed_device(None, 1)
+    assert embed_device(None, 0) == torch.device("cuda", 0)
+    assert embed_device("cpu", 1) == torch.device("cpu")
 
 
 @pytest.mark.parametrize("args, match", [

@@ -1,6 +1,8 @@
 """The CUDA-graph runner: a clear error without CUDA, a graph per float32 matmul precision (its replay is
 checked on the GPU here and by scripts/gpu_check.py, and timed by `vit-triton bench`)."""
 
+import threading
+
 import pytest
 import torch
 
@@ -64,3 +66,34 @@ def test_tf32_replay_follows_weights_changed_in_place():
         after = runner(pixels)
         assert not torch.equal(after, before)
         torch.testing.assert_close(after, model(pixels), rtol=0, atol=0)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a CUDA device")
+def test_tuning_and_capture_beside_a_thread_that_pins_memory(monkeypatch, tmp_path):
+    # A first call tunes linear from CUDA-graph replays and the runner captures the forward while, in a
+    # serving loop, a DataLoader's pin-memory thread allocates page-locked memory. In CUDA's global
+    # capture mode that breaks the capture (and every later random draw of the process).
+    monkeypatch.setenv("VIT_TRITON_CACHE_DIR", str(tmp_path))   # nothing tuned yet
+    model = ViT(PRESETS["tiny"], device=DEVICE).eval()
+    pixels = torch.randn(5, 3, 40, 40, device=DEVICE)
+    stop, allocations = threading.Event(), [0]
+
+    def pin() -> None:
+        # As a loader does: page-locked batches copied to the GPU on a stream of its own. The caching
+        # host allocator then queries the copies' events when it hands out memory again.
+        with torch.cuda.stream(torch.cuda.Stream()):
+            while not stop.is_set():
+                torch.randn(3, 40, 40).pin_memory().to(DEVICE, non_blocking=True)
+                allocations[0] += 1
+
+    worker = threading.Thread(target=pin)
+    worker.start()
+    try:
+        runner = vit_triton.compile(model, batch_sizes=[5])
+        out = runner(pixels)
+    finally:
+        stop.set()
+        worker.join()
+    assert allocations[0] > 10, "the pinning thread hardly ran"
+    torch.testing.assert_close(out, model(pixels), rtol=0, atol=0)
+    torch.randn(3, device=DEVICE)   # the random generator is not left in capture mode

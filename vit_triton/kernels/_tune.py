@@ -5,9 +5,12 @@ config (it refuses to cache configs with a pre_hook), and linear's do: its TMA d
 built on the host with the config's tile shape.
 So linear's launcher times its candidates itself, through this small tuner:
 
-- each candidate is launched and timed from CUDA-graph replays (triton.testing.do_bench_cudagraph),
-  which times the GPU work alone: at a few hundred rows a launch costs more in Python than on
-  the GPU, and host-timed loops would rank the candidates by noise;
+- each candidate is launched and timed from CUDA-graph replays (graph_time), which times the GPU
+  work alone: at a few hundred rows a launch costs more in Python than on the GPU, and host-timed
+  loops would rank the candidates by noise. The capture is thread-local: a first call tunes while
+  other threads of the process may be using CUDA (a DataLoader's pin-memory thread allocating page-
+  locked memory), which in CUDA's default (global) capture mode breaks the capture and, through
+  PyTorch's random generator, every later random draw of the process;
 - the choice is kept per key in memory and in a JSON file under $VIT_TRITON_CACHE_DIR (default
   ~/.cache/vit-triton), one file per kernel source, candidate list, GPU and Triton version, so a
   second process starts without timing anything;
@@ -20,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import statistics
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -27,7 +31,6 @@ from typing import NamedTuple
 
 import torch
 import triton
-import triton.testing
 
 
 class Config(NamedTuple):
@@ -42,6 +45,33 @@ class Config(NamedTuple):
     persistent: int = 1
 
 
+def graph_time(fn: Callable[[], object], budget_ms: float = 2.0, samples: int = 5) -> float:
+    """fn's GPU time in ms: the median of `samples` replays of a CUDA graph holding as many calls of fn
+    as fit in about budget_ms, captured in thread-local mode on a stream of its own."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()   # compiles, outside the capture
+
+        def replay_ms(calls: int) -> float:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+                for _ in range(calls):
+                    fn()
+            graph.replay()
+            times = []
+            for _ in range(samples):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record(stream)
+                graph.replay()
+                end.record(stream)
+                end.synchronize()
+                times.append(start.elapsed_time(end) / calls)
+            return statistics.median(times)
+
+        once = replay_ms(1)
+        return replay_ms(max(1, min(1000, int(budget_ms / max(once, 1e-3)))))
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("VIT_TRITON_CACHE_DIR", Path.home() / ".cache" / "vit-triton"))
 
@@ -52,7 +82,7 @@ class Tuner:
 
     def __init__(self, name: str, source: str, timer: Callable[[Callable[[], object]], float] | None = None) -> None:
         self.name = name
-        self._timer = timer or (lambda fn: triton.testing.do_bench_cudagraph(fn, rep=10, return_mode="median"))
+        self._timer = timer or graph_time
         self._source_hash = hashlib.sha256(source.encode()).hexdigest()[:16]
         self._picks: dict[tuple, Config] = {}
         self._lock = threading.Lock()

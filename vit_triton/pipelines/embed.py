@@ -165,11 +165,21 @@ def embed(opts: EmbedOptions, log=lambda msg: print(msg, file=sys.stderr, flush=
             dist.destroy_process_group()
 
 
+def _device(option: str | None, local_rank: int) -> torch.device:
+    """--device, else cuda:LOCAL_RANK (one GPU a process), else the CPU."""
+    if option:
+        return torch.device(option)
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    if local_rank >= torch.cuda.device_count():
+        raise UsageError(f"LOCAL_RANK {local_rank} needs cuda:{local_rank}, but this machine has "
+                         f"{torch.cuda.device_count()} CUDA device(s): run at most that many processes a node "
+                         f"(torchrun --nproc-per-node) or pass --device")
+    return torch.device("cuda", local_rank)
+
+
 def _embed(opts: EmbedOptions, rank: int, world: int, local_rank: int, log) -> Summary | None:
-    if opts.device:
-        device = torch.device(opts.device)
-    else:
-        device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    device = _device(opts.device, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     on_gpu = device.type == "cuda"

@@ -55,7 +55,9 @@ class CUDAGraphRunner:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool):
+        # Thread-local capture: other threads of a serving loop (a DataLoader's pin-memory thread) may
+        # use CUDA meanwhile; in the default global mode their calls would break the capture.
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             static_out = self.model(static_in)
         self._graphs[self.key(shape, dtype)] = (graph, static_in, static_out)
 
