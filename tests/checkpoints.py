@@ -42,7 +42,10 @@ def save_hf(model: torch.nn.Module, directory: Path, processor: dict | None = No
 def timm_model(name: str, seed: int = 0, **kw) -> torch.nn.Module:
     import timm
 
-    return randomize_(timm.create_model(name, pretrained=False, **{**TINY_TIMM, **kw}), seed=seed).eval()
+    args = {**TINY_TIMM, **kw}
+    model = randomize_(timm.create_model(name, pretrained=False, **args), seed=seed).eval()
+    model.create_args = args   # for save_timm: timm before 1.0.31 records no model_args
+    return model
 
 
 def save_timm(model: torch.nn.Module, directory: Path, weights: str = "model.safetensors",
@@ -53,8 +56,12 @@ def save_timm(model: torch.nn.Module, directory: Path, weights: str = "model.saf
     from timm.models._hub import save_config_for_hf
 
     directory.mkdir(parents=True, exist_ok=True)
-    save_config_for_hf(model, str(directory / "config.json"))
+    save_config_for_hf(model, directory / "config.json")   # a Path: timm 1.0.29 calls .open() on it
     cfg = json.loads((directory / "config.json").read_text())
+    # What timm 1.0.31 writes, and older versions did not: the input size of the model (they wrote the
+    # architecture's default) and the arguments it was created with.
+    cfg["pretrained_cfg"]["input_size"] = [model.patch_embed.proj.in_channels, *model.patch_embed.img_size]
+    cfg.setdefault("model_args", model.create_args)
     if not model_args:
         cfg.pop("model_args", None)
     cfg.update(config)

@@ -1,11 +1,22 @@
-"""Runs every kernel through Triton's interpreter on machines without a CUDA device.
+"""Runs every kernel through Triton's interpreter on machines without a CUDA device (TRITON_INTERPRET must
+be set before triton is imported, which conftest.py precedes); `one_config` pins the tuned kernels to one
+launch config."""
 
-TRITON_INTERPRET must be set before triton is imported, which conftest.py precedes.
-"""
-
+import importlib
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+
+
+@pytest.fixture
+def one_config(monkeypatch):
+    """linear and attention with their first candidate config only, so that two calls that differ in a
+    flag run the same tiles (their results can then be compared bit for bit on a GPU too)."""
+    linear, attention = (importlib.import_module(f"vit_triton.kernels.{name}") for name in ("linear", "attention"))
+    candidates = linear._candidates
+    monkeypatch.setattr(linear, "_candidates", lambda m, dtype: candidates(m, dtype)[:1])
+    monkeypatch.setattr(attention._attention_kernel, "configs", attention._attention_kernel.configs[:1])

@@ -10,10 +10,13 @@ from vit_triton.bench import harness, roofline
 from vit_triton.bench.numerics import tolerance
 from vit_triton.bench.systems import build_systems
 from vit_triton.cli import main
+from vit_triton.kernels._common import INTERPRET
 from vit_triton.model import PRESETS
 
 CFG = PRESETS["tiny"]
 CPU = torch.device("cpu")
+# The harness on the CPU runs vit-triton through Triton's interpreter; on a GPU `vit-triton bench` itself is the check.
+on_the_cpu = pytest.mark.skipif(not INTERPRET, reason="vit-triton on the CPU needs TRITON_INTERPRET=1")
 
 
 def fake_timer(times):
@@ -26,6 +29,7 @@ def fake_timer(times):
     return timer
 
 
+@on_the_cpu
 def test_bench_end_to_end(tmp_path):
     # Calls: 2 ceilings, then per batch size: vit-triton, hf, timm.
     times = [1.0, 1.0] + [2.0, 3.0, 5.0] + [4.0, 12.0, 8.0]
@@ -55,6 +59,7 @@ def test_bench_end_to_end(tmp_path):
     assert "skipped vit-triton+cudagraph: CUDA graphs need a CUDA device" in table
 
 
+@on_the_cpu
 def test_bench_refuses_to_time_a_wrong_answer(tmp_path, monkeypatch):
     def wrong_systems(*args, **kwargs):
         systems, reference, ours = build_systems(*args, **kwargs)
@@ -70,6 +75,7 @@ def test_bench_refuses_to_time_a_wrong_answer(tmp_path, monkeypatch):
     assert not saved["check"]["ok"] and saved["rows"] == []
 
 
+@on_the_cpu
 def test_a_failing_peer_is_recorded_not_fatal(tmp_path, monkeypatch):
     def failing_systems(*args, **kwargs):
         systems, reference, ours = build_systems(*args, **kwargs)
@@ -102,6 +108,7 @@ def test_exact_fp32_timm_runs_its_matmuls_exact_in_a_tf32_run(monkeypatch):
     assert [(s.name, s.run, s.note) for s in skipped][-1] == ("timm:exact-fp32", None, "float32 runs only")
 
 
+@on_the_cpu
 def test_roofline_rows(tmp_path):
     cfg = PRESETS["tiny"]
     _, _, ours = build_systems(cfg, torch.float32, CPU, ("vit-triton",))
@@ -123,6 +130,7 @@ def test_roofline_rows(tmp_path):
     assert rows["layer_norm"]["count"] == 2 * cfg.depth and rows["layer_norm"]["bound"] == "memory"
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device: the CLI would time")
 def test_bench_cli_without_gpu(capsys):
     assert main(["bench", "--dtype", "fp32"]) == 0
     out = capsys.readouterr().out

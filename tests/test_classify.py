@@ -47,7 +47,7 @@ def _hf_top(work, k):
 
 
 def test_json_equals_transformers_pipeline(work, capsys):
-    assert main(["classify", *IMAGES, "--model", "vit", "--top-k", "3", "--json", "--batch-size", "2"]) == 0
+    assert main(["classify", *IMAGES, "--model", "vit", "--top-k", "3", "--json", "--batch-size", "2", "--dtype", "fp32"]) == 0
     results = json.loads(capsys.readouterr().out)
     probs, classes = _hf_top(work, 3)
     assert [r["path"] for r in results] == IMAGES
@@ -82,7 +82,8 @@ def test_timm_distilled_deit_with_label_names(tmp_path, capsys):
     ref = timm_model("deit_tiny_distilled_patch16_224", embed_dim=64, num_heads=2, num_classes=3, seed=5)
     save_timm(ref, tmp_path / "deit", label_names=["n01", "n02", "n03"],
               label_descriptions={"n01": "alpha", "n02": "beta", "n03": "gamma"})
-    assert main(["classify", "img0.jpg", "--model", str(tmp_path / "deit"), "--top-k", "3", "--json"]) == 0
+    assert main(["classify", "img0.jpg", "--model", str(tmp_path / "deit"), "--top-k", "3", "--json",
+                 "--dtype", "fp32"]) == 0   # float32 on a GPU too, as the reference
     got = json.loads(capsys.readouterr().out)[0]["predictions"]
     cfg = json.loads((tmp_path / "deit" / "config.json").read_text())["pretrained_cfg"]
     transform = timm.data.create_transform(**timm.data.resolve_data_config(pretrained_cfg=cfg))
