@@ -23,9 +23,9 @@ The launch config (tile, warps, stages, persistence) is chosen per shape by timi
 candidates (_tune.py), since the descriptors depend on it.
 
 float32 on tf32 tensor cores: operands are rounded to nearest tf32 as cuBLAS does, but not in the K
-loop where avoidable (tf32.py, benchmarks/NOTES.md 26): a product of many row tiles reads W rounded
-once beforehand (W_TF32), an x that its producer stored rounded is taken as it is (X_TF32), and y is
-stored rounded for a consumer that reads it as a matmul operand (Y_TF32).
+loop where avoidable (tf32.py, benchmarks/NOTES.md 26, 29): W is read as a rounded copy kept with the
+weight (W_TF32), an x that its producer stored rounded is taken as it is (X_TF32), and y is stored
+rounded for a consumer that reads it as a matmul operand (Y_TF32).
 
 Split K (linear_partials): a product too small to give every SM a tile (ViT-B/16's fc2 at one image:
 48 tiles of 64 x 64 on 132 SMs, each a 3072-deep loop) is cut into S slices along K, one program per
@@ -313,8 +313,8 @@ def _checked(x, weight, bias, *others):
 
 def _precision(x, weight, allow_tf32: bool | None, tf32_input: bool) -> tuple[torch.Tensor, dict]:
     """(weight as the kernel reads it, the INPUT_PRECISION, X_TF32 and W_TF32 flags): with tf32 matmuls,
-    W rounded once beforehand for a product of many rows (tf32.py), and x taken as it is when its
-    producer stored it rounded."""
+    W as tf32_weight gives it (its kept rounded copy, tf32.py), and x taken as it is when its producer
+    stored it rounded."""
     precision = input_precision(x.dtype, allow_tf32)
     weight, w_tf32 = tf32_weight(weight, x.shape[0], precision)
     return weight, dict(INPUT_PRECISION=precision, X_TF32=precision == "tf32" and tf32_input, W_TF32=w_tf32)

@@ -7,7 +7,7 @@ A is the im2col matrix of pixels [B, C, H, W] (patch p at row py = p // Wp, colu
 k = (c, ky, kx) in conv-weight order), gathered tile by tile from the image and never written
 out. W is the conv weight [D, C, S, S] read as [D, C*S*S]. The P0 prefix rows (class,
 distillation, register tokens) are written by extra programs of the same launch. With tf32 matmuls
-a large launch reads W rounded once beforehand (tf32.py), not rounded in every program.
+W is read as a rounded copy kept with the weight (tf32.py), not rounded in every program.
 
 Cost: 2*B*Np*D*C*S*S FLOPs; at least B*C*H*W + D*C*S*S + B*T*D (+ T*D pos) elements moved.
 """
