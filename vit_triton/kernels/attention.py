@@ -4,8 +4,9 @@ Layouts: q, k, v [B, T, H, Dh], any batch/token/head strides and unit stride alo
 are read straight out of the QKV GEMM's [B*T, 3*H*Dh] output (qkv.view(B, T, 3, H, Dh)[:, :, i]).
 o [B, T, H, Dh] contiguous, which is the [B*T, H*Dh] row-major input of the out-projection.
 
-One launch covers all batches and heads: program (b*H + h, i) owns BLOCK_M queries, streams K
-and V in BLOCK_N tiles and keeps a running max and sum (online softmax, base 2 with the scale
+One launch covers all batches and heads: program (b*H + h) * ceil(T / BLOCK_M) + i owns query
+block i of head h of image b (a head's blocks are neighbours in launch order, so they run together
+and read that head's K and V from HBM once, from L2 after), streams K and V in BLOCK_N tiles and keeps a running max and sum (online softmax, base 2 with the scale
 folded into log2(e)), so the T x T scores never leave on-chip memory. Only the last keys are
 masked, in blocks of 16, so a sequence of 197 costs 208 keys of work, not 256. Head dims that are not a
 power of two (80, 96) are padded to one in registers by masked loads.
@@ -24,6 +25,7 @@ from ._common import (
     LOG2E, cast, check_device, check_dtype, check_float, check_shape, exp2, input_precision, mma, pdl,
     start_next_kernel, to_tf32, tune, wait_for_previous_kernel,
 )
+from ._tune import autotune_timer
 
 TAIL_N = tl.constexpr(16)  # the smallest key block a 16-bit tensor-core product takes (k = 16)
 SMALLEST_BLOCK_M = 64      # of the configs below: the launch with the most programs
@@ -68,6 +70,7 @@ def _attend(acc, m_i, l_i, q, k_base, v_base, start, T, sk_t, sv_t, qk_scale, of
         triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=4, num_stages=1),
     ),
     key=["T", "HEAD_DIM", "INPUT_PRECISION", "QKV_TF32", "batch_heads"],
+    do_bench=autotune_timer,
 )
 @triton.jit(do_not_specialize=["batch_heads"])
 def _attention_kernel(
@@ -79,10 +82,13 @@ def _attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
-    bh = tl.program_id(0)
+    # Program i owns query block i % q_blocks of head i // q_blocks: a head's query blocks run side by side,
+    # so its K and V come from HBM once and from L2 for the other blocks.
+    q_blocks = tl.cdiv(T, BLOCK_M)
+    bh = tl.program_id(0) // q_blocks
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
-    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = (tl.program_id(0) % q_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
 
@@ -152,8 +158,8 @@ def fused_attention(
     # busy; 256 images: 128-row tiles, at 0.75x the time of 64-row ones), so the tuner keys on B*H's
     # power of two as well as on the sequence.
     def grid(meta):
-        # B*H on axis 0, which allows 2^31 - 1 programs (axis 1 allows 65535).
-        return (B * H, triton.cdiv(T, meta["BLOCK_M"]))
+        # One axis, which allows 2^31 - 1 programs (axis 1 allows 65535).
+        return (B * H * triton.cdiv(T, meta["BLOCK_M"]),)
 
     _attention_kernel[grid](
         q, k, v, out,
