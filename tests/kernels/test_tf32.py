@@ -171,6 +171,19 @@ def test_no_copy_without_tf32_or_of_an_inference_tensor():
         assert id(frozen) not in TF32._copies
 
 
+def test_no_copies_kept_when_turned_off(monkeypatch, one_config):
+    # VIT_TRITON_TF32_COPIES=0 trades the copies' memory for session 9's speed: the GEMM rounds W for the
+    # call (from TF32_WEIGHT_ROWS rows) or in its K loop, with the same bits.
+    w = rand(24, 40, dtype=F32)
+    with tf32_matmuls():
+        small, large = (rand(rows, 40, dtype=F32) for rows in (3, TF32.TF32_WEIGHT_ROWS))
+        expected = [linear(x, w) for x in (small, large)]
+        TF32.clear_copies()
+        monkeypatch.setenv("VIT_TRITON_TF32_COPIES", "0")
+        assert [torch.equal(linear(x, w), e) for x, e in zip((small, large), expected)] == [True, True]
+        assert id(w) not in TF32._copies
+
+
 # The tf32_output / tf32_input flags of the kernels that write and read matmul operands: a flagged
 # output is the unflagged one rounded (round_to_tf32), a flagged input skips a rounding that changes
 # nothing, and with tf32 off (or in 16-bit) the flags change nothing. One launch config for each
@@ -238,3 +251,4 @@ def test_flags_change_nothing_in_16_bit(one_config):
         assert torch.equal(linear(x, w, tf32_input=True, tf32_output=True), linear(x, w))
         assert torch.equal(layer_norm(x, ln_w, ln_b, 1e-6, tf32_output=True), layer_norm(x, ln_w, ln_b, 1e-6))
         assert torch.equal(fused_attention(q, k, v, tf32_input=True, tf32_output=True), fused_attention(q, k, v))
+

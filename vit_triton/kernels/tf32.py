@@ -10,10 +10,11 @@ every K step of every program: ViT-B/16's GEMMs ran 1.3-2.1x slower for it on an
   The copy follows in-place changes to W (optimizer steps, load_state_dict, copy_): W's version counter
   tells, and the copy is rounded again, in place, so a CUDA graph that reads it stays right as long as
   refresh_copies() runs before each replay (runtime.CUDAGraphRunner does). Writes that bypass the
-  counter (through `.data` or the storage) are not seen: clear_copies() drops every copy. Where no copy
-  may be kept (an inference tensor has no version counter; nothing is allocated during a CUDA-graph
-  capture), a product of at least TF32_WEIGHT_ROWS rows reads a copy rounded for the call and a smaller
-  one rounds W in its K loop. The kept copies take as much memory again as the float32 weights;
+  counter (through `.data` or the storage) are not seen: clear_copies() drops every copy. The kept
+  copies take as much memory again as the float32 weights; VIT_TRITON_TF32_COPIES=0 keeps none. Where
+  no copy is kept (that setting; an inference tensor has no version counter; nothing is allocated
+  during a CUDA-graph capture), a product of at least TF32_WEIGHT_ROWS rows reads a copy rounded for
+  the call and a smaller one rounds W in its K loop;
 - activations: a kernel whose output is read only as a matmul operand (in a ViT the LayerNorms before
   qkv and fc1, qkv itself, attention, fc1) stores it rounded (its tf32_output flag), and the kernel
   that reads it is told so (tf32_input) and does not round it again.
@@ -28,6 +29,7 @@ elements moved (8 bytes each), so memory-bound.
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from dataclasses import dataclass
@@ -107,9 +109,15 @@ def _forget(ref: weakref.ref, key: int) -> None:
         _copies.pop(key, None)
 
 
+def keep_copies() -> bool:
+    """Whether tf32 GEMMs keep rounded copies of their weights: yes unless VIT_TRITON_TF32_COPIES=0 (read at
+    each call; copies kept before stay until clear_copies())."""
+    return os.environ.get("VIT_TRITON_TF32_COPIES", "1") != "0"
+
+
 def _kept_copy(weight: torch.Tensor) -> torch.Tensor | None:
     """The weight's kept rounded copy, made or brought up to date; None where none may be kept."""
-    if weight.is_inference():
+    if weight.is_inference() or not keep_copies():
         return None
     key = id(weight)
     copy = _copies.get(key)
