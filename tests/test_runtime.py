@@ -76,15 +76,18 @@ def test_tuning_and_capture_beside_a_thread_that_pins_memory(monkeypatch, tmp_pa
     monkeypatch.setenv("VIT_TRITON_CACHE_DIR", str(tmp_path))   # nothing tuned yet
     model = ViT(PRESETS["tiny"], device=DEVICE).eval()
     pixels = torch.randn(5, 3, 40, 40, device=DEVICE)
-    stop, allocations = threading.Event(), [0]
+    stop, allocations, errors = threading.Event(), [0], []
 
     def pin() -> None:
         # As a loader does: page-locked batches copied to the GPU on a stream of its own. The caching
         # host allocator then queries the copies' events when it hands out memory again.
-        with torch.cuda.stream(torch.cuda.Stream()):
-            while not stop.is_set():
-                torch.randn(3, 40, 40).pin_memory().to(DEVICE, non_blocking=True)
-                allocations[0] += 1
+        try:
+            with torch.cuda.stream(torch.cuda.Stream()):
+                while not stop.is_set():
+                    torch.randn(3, 40, 40).pin_memory().to(DEVICE, non_blocking=True)
+                    allocations[0] += 1
+        except Exception as e:   # a loader would re-raise it in the main thread
+            errors.append(e)
 
     worker = threading.Thread(target=pin)
     worker.start()
@@ -94,6 +97,7 @@ def test_tuning_and_capture_beside_a_thread_that_pins_memory(monkeypatch, tmp_pa
     finally:
         stop.set()
         worker.join()
+    assert not errors, f"the pinning thread failed: {errors}"
     assert allocations[0] > 10, "the pinning thread hardly ran"
     torch.testing.assert_close(out, model(pixels), rtol=0, atol=0)
     torch.randn(3, device=DEVICE)   # the random generator is not left in capture mode

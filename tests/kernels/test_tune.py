@@ -1,6 +1,5 @@
 """The launch-config tuner: the fastest candidate per key, kept in memory and on disk."""
 
-import importlib
 import json
 
 import pytest
@@ -70,25 +69,3 @@ def test_a_corrupt_cache_file_is_timed_over(cache_dir):
     timer = FakeTimer({CONFIGS[0]: 1.0, CONFIGS[1]: 3.0, CONFIGS[2]: 2.0})
     assert Tuner("k", "source", timer).pick(("a",), CONFIGS, lambda c: c) == CONFIGS[0]
     assert json.loads(saved.read_text()) == {repr(("a",)): list(CONFIGS[0])}
-
-
-def test_autotuned_kernels_time_like_linear(monkeypatch):
-    # attention's and patch_embed's autotuners time their candidates with graph_time, as linear's Tuner does;
-    # triton.autotune's do_bench gets the median for each quantile it asks for.
-    from vit_triton.kernels import _tune
-    for module, kernel in (("attention", "_attention_kernel"), ("patch_embed", "_patch_embed_kernel")):
-        kernel = getattr(importlib.import_module(f"vit_triton.kernels.{module}"), kernel)   # the package exports functions
-        assert kernel.do_bench is _tune.autotune_timer
-    calls = []
-    monkeypatch.setattr(_tune, "graph_time", lambda fn: calls.append(fn()) or 0.25)
-    monkeypatch.setattr(_tune.torch.cuda, "is_current_stream_capturing", lambda: False)
-    assert _tune.autotune_timer(lambda: "ran", quantiles=(0.5, 0.2, 0.8)) == [0.25, 0.25, 0.25]
-    assert _tune.autotune_timer(lambda: "ran") == 0.25
-    assert calls == ["ran", "ran"]
-
-
-def test_autotuning_inside_a_capture_says_what_to_do(monkeypatch):
-    from vit_triton.kernels import _tune
-    monkeypatch.setattr(_tune.torch.cuda, "is_current_stream_capturing", lambda: True)
-    with pytest.raises(RuntimeError, match="run the forward once for this shape before capturing"):
-        _tune.autotune_timer(lambda: None)

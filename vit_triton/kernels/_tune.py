@@ -16,9 +16,6 @@ So linear's launcher times its candidates itself, through this small tuner:
   second process starts without timing anything;
 - inside a CUDA-graph capture nothing can be timed: an unseen key takes the first candidate
   (vit_triton.compile warms up before it captures, so its graphs hold tuned launches).
-
-attention and patch_embed, whose arguments do not depend on the config, keep Triton's autotuner but
-time their candidates with the same graph_time (autotune_timer).
 """
 
 from __future__ import annotations
@@ -73,17 +70,6 @@ def graph_time(fn: Callable[[], object], budget_ms: float = 2.0, samples: int = 
 
         once = replay_ms(1)
         return replay_ms(max(1, min(1000, int(budget_ms / max(once, 1e-3)))))
-
-
-def autotune_timer(fn: Callable[[], object], quantiles: Sequence[float] | None = None) -> float | list[float]:
-    """graph_time as triton.autotune's do_bench, so the kernels it tunes (attention, patch_embed) time their
-    candidates as linear's do (Triton's default flushes L2 before each call; the forward's picks came out
-    the same within 1.6%, benchmarks/NOTES.md 33). Inside a capture nothing can be timed."""
-    if torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("a kernel met a shape it has not tuned for inside a CUDA-graph capture: run the "
-                           "forward once for this shape before capturing it (vit_triton.compile does)")
-    ms = graph_time(fn)
-    return [ms] * len(quantiles) if quantiles else ms
 
 
 def cache_dir() -> Path:

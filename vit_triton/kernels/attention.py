@@ -4,9 +4,10 @@ Layouts: q, k, v [B, T, H, Dh], any batch/token/head strides and unit stride alo
 are read straight out of the QKV GEMM's [B*T, 3*H*Dh] output (qkv.view(B, T, 3, H, Dh)[:, :, i]).
 o [B, T, H, Dh] contiguous, which is the [B*T, H*Dh] row-major input of the out-projection.
 
-One launch covers all batches and heads: program (b*H + h) * ceil(T / BLOCK_M) + i owns query
-block i of head h of image b (a head's blocks are neighbours in launch order, so they run together
-and read that head's K and V from HBM once, from L2 after), streams K and V in BLOCK_N tiles and keeps a running max and sum (online softmax, base 2 with the scale
+One launch covers all batches and heads. Each program owns one query block of one head; a head's
+blocks are neighbours in launch order, so they run together and read that head's K and V from HBM
+once, from L2 after, and the last heads launch first (the QKV GEMM wrote them last: still in L2).
+A program streams K and V in BLOCK_N tiles and keeps a running max and sum (online softmax, base 2 with the scale
 folded into log2(e)), so the T x T scores never leave on-chip memory. Only the last keys are
 masked, in blocks of 16, so a sequence of 197 costs 208 keys of work, not 256. Head dims that are not a
 power of two (80, 96) are padded to one in registers by masked loads.
@@ -25,7 +26,6 @@ from ._common import (
     LOG2E, cast, check_device, check_dtype, check_float, check_shape, exp2, input_precision, mma, pdl,
     start_next_kernel, to_tf32, tune, wait_for_previous_kernel,
 )
-from ._tune import autotune_timer
 
 TAIL_N = tl.constexpr(16)  # the smallest key block a 16-bit tensor-core product takes (k = 16)
 SMALLEST_BLOCK_M = 64      # of the configs below: the launch with the most programs
@@ -70,7 +70,6 @@ def _attend(acc, m_i, l_i, q, k_base, v_base, start, T, sk_t, sv_t, qk_scale, of
         triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=4, num_stages=1),
     ),
     key=["T", "HEAD_DIM", "INPUT_PRECISION", "QKV_TF32", "batch_heads"],
-    do_bench=autotune_timer,
 )
 @triton.jit(do_not_specialize=["batch_heads"])
 def _attention_kernel(
@@ -82,13 +81,15 @@ def _attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
-    # Program i owns query block i % q_blocks of head i // q_blocks: a head's query blocks run side by side,
-    # so its K and V come from HBM once and from L2 for the other blocks.
+    # Program i owns query block p % q_blocks of head p // q_blocks, p = programs - 1 - i: a head's query
+    # blocks run side by side, so its K and V come from HBM once and from L2 for the other blocks; and the
+    # last heads go first, as the QKV GEMM wrote them last and at large batch they are the ones still in L2.
     q_blocks = tl.cdiv(T, BLOCK_M)
-    bh = tl.program_id(0) // q_blocks
+    pid = tl.num_programs(0) - 1 - tl.program_id(0)
+    bh = pid // q_blocks
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
-    offs_m = (tl.program_id(0) % q_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = (pid % q_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
 

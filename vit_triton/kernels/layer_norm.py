@@ -4,7 +4,8 @@ after adding to x the K-slice partial sums of a split GEMM (add_layer_norm).
 Layout: x [M, D] with unit stride along D (any row stride); weight, bias [D]; y [M, D] contiguous;
 parts [S, M, D] fp32 contiguous.
 Each program normalises BLOCK_M rows held whole in registers: one read of x, one write of y;
-mean and variance are computed in fp32 from the registers (two-pass, no E[x^2] - E[x]^2).
+mean and variance are computed in fp32 from the registers (two-pass, no E[x^2] - E[x]^2). Programs
+take the last rows first: the GEMM that wrote x wrote them last, so they are the ones still in L2.
 add_layer_norm first forms x + parts[0] + ... + parts[S-1] in fp32, rounds it once to x's dtype,
 writes it (the updated residual stream) and normalises that: the residual add of a split GEMM
 (linear_partials) costs no kernel of its own.
@@ -34,7 +35,8 @@ def _layer_norm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    # Last rows first: the GEMM before wrote them last, so at large batch they are the ones still in L2.
+    rows = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
     mask_d = cols < D
     mask = (rows < M)[:, None] & mask_d[None, :]

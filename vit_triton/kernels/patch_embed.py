@@ -24,7 +24,6 @@ from ._common import (
     cast, check_device, check_dtype, check_float, check_shape, input_precision, mma, pdl, start_next_kernel, tune,
     wait_for_previous_kernel,
 )
-from ._tune import autotune_timer
 from .tf32 import tf32_weight
 
 
@@ -43,7 +42,6 @@ def _config(bm, bn, bk, warps, stages):
         _config(32, 32, 32, 4, 1),
     ),
     key=["NUM_PATCHES", "D", "K", "NUM_PREFIX", "INPUT_PRECISION", "W_TF32"],
-    do_bench=autotune_timer,
 )
 @triton.jit
 def _patch_embed_kernel(
