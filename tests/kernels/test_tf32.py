@@ -251,4 +251,3 @@ def test_flags_change_nothing_in_16_bit(one_config):
         assert torch.equal(linear(x, w, tf32_input=True, tf32_output=True), linear(x, w))
         assert torch.equal(layer_norm(x, ln_w, ln_b, 1e-6, tf32_output=True), layer_norm(x, ln_w, ln_b, 1e-6))
         assert torch.equal(fused_attention(q, k, v, tf32_input=True, tf32_output=True), fused_attention(q, k, v))
-

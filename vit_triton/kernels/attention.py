@@ -7,8 +7,8 @@ o [B, T, H, Dh] contiguous, which is the [B*T, H*Dh] row-major input of the out-
 One launch covers all batches and heads. Each program owns one query block of one head; a head's
 blocks are neighbours in launch order, so they run together and read that head's K and V from HBM
 once, from L2 after, and the last heads launch first (the QKV GEMM wrote them last: still in L2).
-A program streams K and V in BLOCK_N tiles and keeps a running max and sum (online softmax, base 2 with the scale
-folded into log2(e)), so the T x T scores never leave on-chip memory. Only the last keys are
+A program streams K and V in BLOCK_N tiles and keeps a running max and sum (online softmax, base 2
+with the scale folded into log2(e)), so the T x T scores never leave on-chip memory. Only the last keys are
 masked, in blocks of 16, so a sequence of 197 costs 208 keys of work, not 256. Head dims that are not a
 power of two (80, 96) are padded to one in registers by masked loads.
 
