@@ -10,4 +10,3 @@ import torch
 def seed(request):
     # The test's id (name and parameters) picks the seed: reproducible, and new data for each case.
     torch.manual_seed(zlib.crc32(request.node.name.encode()))
-
