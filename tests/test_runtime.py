@@ -9,7 +9,9 @@ import torch
 import vit_triton
 from tests.kernels.checks import tf32_matmuls
 from tests.numerics import DEVICE
+from vit_triton.kernels._tune import capture_stream, graph_time
 from vit_triton.model import PRESETS, ViT
+from vit_triton.runtime import CUDAGraphRunner
 
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="the error is for models that are not on a CUDA device")
@@ -34,10 +36,10 @@ def test_a_graph_per_float32_matmul_precision():
     # The kernels read the precision when they are launched, so a graph captured with exact float32
     # matmuls must not be replayed once tf32 is on.
     shape = (2, 3, 40, 40)
-    exact = vit_triton.runtime.CUDAGraphRunner.key(shape, torch.float32)
+    exact = CUDAGraphRunner.key(shape, torch.float32)
     with tf32_matmuls():
-        assert vit_triton.runtime.CUDAGraphRunner.key(shape, torch.float32) != exact
-    assert vit_triton.runtime.CUDAGraphRunner.key(list(shape), torch.float32) == exact
+        assert CUDAGraphRunner.key(shape, torch.float32) != exact
+    assert CUDAGraphRunner.key(list(shape), torch.float32) == exact
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a CUDA device")
@@ -68,6 +70,59 @@ def test_tf32_replay_follows_weights_changed_in_place():
         torch.testing.assert_close(after, model(pixels), rtol=0, atol=0)
 
 
+class CopyingThread(threading.Thread):
+    """As a loader does: page-locked batches copied to the GPU on a stream of the thread's own (one of
+    PyTorch's pooled streams). The caching host allocator then queries the copies' events when it hands
+    out memory again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stop, self.copies, self.errors = threading.Event(), 0, []
+
+    def run(self) -> None:
+        try:
+            with torch.cuda.stream(torch.cuda.Stream()):
+                while not self.stop.is_set():
+                    torch.randn(3, 40, 40).pin_memory().to(DEVICE, non_blocking=True)
+                    self.copies += 1
+        except Exception as e:   # a loader would re-raise it in the main thread
+            self.errors.append(e)
+
+    def __enter__(self) -> "CopyingThread":
+        self.start()
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        self.stop.set()
+        self.join()
+        if exc_type is None:   # else the body's own error is the one to see
+            assert not self.errors, f"the copying thread failed: {self.errors}"
+            assert self.copies > 10, "the copying thread hardly ran"
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a CUDA device")
+def test_graphs_are_captured_on_a_stream_no_other_thread_is_handed():
+    # torch.cuda.Stream() hands out 32 pooled streams a device in turn: 64 calls see them all.
+    pooled = {torch.cuda.Stream(DEVICE).cuda_stream for _ in range(64)}
+    mine = capture_stream(DEVICE)
+    assert mine.cuda_stream not in pooled and capture_stream(DEVICE) is mine
+    theirs = []
+    thread = threading.Thread(target=lambda: theirs.append(capture_stream(DEVICE).cuda_stream))
+    thread.start()
+    thread.join()
+    assert theirs[0] not in pooled | {mine.cuda_stream}
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a CUDA device")
+def test_timing_beside_a_thread_that_copies_on_a_stream_of_its_own():
+    # Each timing captures two graphs; on pooled streams, one in 32 of them was the copying thread's
+    # stream, and its copies failed with "CUDA error: invalid argument" (benchmarks/NOTES.md 39).
+    x = torch.zeros(1024, device=DEVICE)
+    with CopyingThread():
+        for _ in range(400):
+            assert graph_time(lambda: x.add_(1), budget_ms=0.05, samples=1) > 0
+
+
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a CUDA device")
 def test_tuning_and_capture_beside_a_thread_that_pins_memory(monkeypatch, tmp_path):
     # A first call tunes linear from CUDA-graph replays and the runner captures the forward while, in a
@@ -76,28 +131,8 @@ def test_tuning_and_capture_beside_a_thread_that_pins_memory(monkeypatch, tmp_pa
     monkeypatch.setenv("VIT_TRITON_CACHE_DIR", str(tmp_path))   # nothing tuned yet
     model = ViT(PRESETS["tiny"], device=DEVICE).eval()
     pixels = torch.randn(5, 3, 40, 40, device=DEVICE)
-    stop, allocations, errors = threading.Event(), [0], []
-
-    def pin() -> None:
-        # As a loader does: page-locked batches copied to the GPU on a stream of its own. The caching
-        # host allocator then queries the copies' events when it hands out memory again.
-        try:
-            with torch.cuda.stream(torch.cuda.Stream()):
-                while not stop.is_set():
-                    torch.randn(3, 40, 40).pin_memory().to(DEVICE, non_blocking=True)
-                    allocations[0] += 1
-        except Exception as e:   # a loader would re-raise it in the main thread
-            errors.append(e)
-
-    worker = threading.Thread(target=pin)
-    worker.start()
-    try:
+    with CopyingThread():
         runner = vit_triton.compile(model, batch_sizes=[5])
         out = runner(pixels)
-    finally:
-        stop.set()
-        worker.join()
-    assert not errors, f"the pinning thread failed: {errors}"
-    assert allocations[0] > 10, "the pinning thread hardly ran"
     torch.testing.assert_close(out, model(pixels), rtol=0, atol=0)
     torch.randn(3, device=DEVICE)   # the random generator is not left in capture mode

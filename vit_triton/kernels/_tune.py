@@ -7,10 +7,11 @@ So linear's launcher times its candidates itself, through this small tuner:
 
 - each candidate is launched and timed from CUDA-graph replays (graph_time), which times the GPU
   work alone: at a few hundred rows a launch costs more in Python than on the GPU, and host-timed
-  loops would rank the candidates by noise. The capture is thread-local: a first call tunes while
-  other threads of the process may be using CUDA (a DataLoader's pin-memory thread allocating page-
-  locked memory), which in CUDA's default (global) capture mode breaks the capture and, through
-  PyTorch's random generator, every later random draw of the process;
+  loops would rank the candidates by noise. A first call tunes while other threads of the process
+  may be using CUDA (a DataLoader's pin-memory thread allocating page-locked memory, a thread copying
+  batches on a side stream). So the capture is thread-local (in CUDA's default, global, mode their
+  calls break the capture and, through PyTorch's random generator, every later random draw of the
+  process), on a stream of the capturing thread's own (capture_stream);
 - the choice is kept per key in memory and in a JSON file under $VIT_TRITON_CACHE_DIR (default
   ~/.cache/vit-triton), one file per kernel source, candidate list, GPU and Triton version, so a
   second process starts without timing anything;
@@ -20,6 +21,7 @@ So linear's launcher times its candidates itself, through this small tuner:
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
@@ -45,10 +47,36 @@ class Config(NamedTuple):
     persistent: int = 1
 
 
+_THREAD = threading.local()
+CU_STREAM_NON_BLOCKING = 1
+
+
+def capture_stream(device: torch.device | None = None) -> torch.cuda.Stream:
+    """A CUDA stream for capturing graphs that no other thread can be handed: one per thread and
+    device, made by the driver (non-blocking, never destroyed).
+
+    torch.cuda.Stream() gives out PyTorch's pooled streams in turn, 32 a device, so a stream taken for
+    a capture can be the one another thread is copying on; its copies and their events then land in the
+    capture, and that thread's next pin_memory() fails with "CUDA error: invalid argument" (seen on an
+    H100 when tuning beside a thread that copies on a stream of its own, benchmarks/NOTES.md 39)."""
+    index = torch.cuda.current_device() if device is None or device.index is None else device.index
+    streams = _THREAD.__dict__.setdefault("streams", {})
+    if index not in streams:
+        with torch.cuda.device(index):
+            torch.cuda.synchronize()   # the device's primary context current on this thread, for the driver
+            handle = ctypes.c_void_p()
+            error = ctypes.CDLL("libcuda.so.1").cuStreamCreate(ctypes.byref(handle), CU_STREAM_NON_BLOCKING)
+        if error:
+            raise RuntimeError(f"cuStreamCreate failed with CUDA driver error {error}")
+        streams[index] = torch.cuda.ExternalStream(handle.value, device=torch.device("cuda", index))
+    return streams[index]
+
+
 def graph_time(fn: Callable[[], object], budget_ms: float = 2.0, samples: int = 5) -> float:
     """fn's GPU time in ms: the median of `samples` replays of a CUDA graph holding as many calls of fn
-    as fit in about budget_ms, captured in thread-local mode on a stream of its own."""
-    stream = torch.cuda.Stream()
+    as fit in about budget_ms, captured in thread-local mode on the thread's capture_stream."""
+    stream = capture_stream()
+    stream.wait_stream(torch.cuda.current_stream())   # fn's inputs, written on the current stream
     with torch.cuda.stream(stream):
         fn()   # compiles, outside the capture
 

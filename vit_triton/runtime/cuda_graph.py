@@ -17,6 +17,7 @@ from collections.abc import Iterable
 
 import torch
 
+from ..kernels._tune import capture_stream
 from ..kernels.tf32 import refresh_copies
 from ..model import ViT
 
@@ -55,9 +56,12 @@ class CUDAGraphRunner:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        # Thread-local capture: other threads of a serving loop (a DataLoader's pin-memory thread) may
-        # use CUDA meanwhile; in the default global mode their calls would break the capture.
-        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        # Thread-local capture on a stream of this thread's own: other threads of a serving loop (a
+        # DataLoader's pin-memory thread, a copy on a side stream) may use CUDA meanwhile; in the default
+        # global mode their calls would break the capture, and on one of PyTorch's pooled streams
+        # (torch.cuda.graph's default) their work could land in it.
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool, stream=capture_stream(device),
+                                                      capture_error_mode="thread_local"):
             static_out = self.model(static_in)
         self._graphs[self.key(shape, dtype)] = (graph, static_in, static_out)
 
