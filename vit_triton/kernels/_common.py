@@ -64,20 +64,22 @@ def prefetch_l2(ptrs, mask):
 def mma(a, b, acc, INPUT_PRECISION: tl.constexpr, A_TF32: tl.constexpr, B_TF32: tl.constexpr):
     """acc += a @ b on the tensor cores: fp32 accumulation, fp32 inputs as ieee or tf32.
 
-    Triton's interpreter multiplies bf16 tiles as raw integers; upcasting 16-bit tiles there
-    gives the tensor-core result (exact products, fp32 sums). tf32 operands are rounded first,
+    Triton's interpreter multiplies bf16 tiles as raw integers, and fp32 tiles through numpy's BLAS,
+    whose order of summation (so the last bit) depends on the tiles' memory layout. There the tile
+    product is taken in fp64 (exact products, sums exact to far below fp32's precision) and added to
+    the fp32 accumulator: the tensor-core result, the same bits for any layout. tf32 operands are rounded first,
     but for one that already holds tf32 values (A_TF32, B_TF32: rounded by to_tf32 before), whose
     low bits the tensor cores' truncation drops losslessly. Rounding b costs the most: wgmma reads
     B from shared memory only, so a rounded b tile goes registers -> shared memory every K step.
     """
-    if _INTERPRET and a.dtype != tl.float32:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
     if a.dtype == tl.float32:
         if INPUT_PRECISION == "tf32" and not A_TF32:
             a = to_tf32(a)
         if INPUT_PRECISION == "tf32" and not B_TF32:
             b = to_tf32(b)
+    if _INTERPRET:
+        return acc + tl.dot(a.to(tl.float64), b.to(tl.float64), input_precision="ieee").to(tl.float32)
+    if a.dtype == tl.float32:
         return tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
     return tl.dot(a, b, acc)
 
