@@ -19,7 +19,7 @@ os.environ.pop("TRITON_INTERPRET", None)
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from vit_triton.kernels.attention import _attention_kernel  # noqa: E402
+from vit_triton.kernels.attention import ONE_PASS_BLOCK_M, ONE_PASS_WARPS, _attention_kernel, key_pieces  # noqa: E402
 from vit_triton.kernels.layer_norm import _layer_norm_kernel  # noqa: E402
 from vit_triton.kernels._common import PDL_EARLY, PDL_LATE  # noqa: E402
 from vit_triton.kernels._tune import Config  # noqa: E402
@@ -98,8 +98,14 @@ def cases():
             yield linear_case(f"linear{'-tma' * tma}{'-split' * (split_k > 1)}-early", dtype, TINY_M[0], PDL_EARLY,
                               split_k, HAS_BIAS=True, ACT="none", HAS_RESIDUAL=False, HAS_SCALE=False,
                               INPUT_PRECISION="ieee", USE_TMA=tma)
+        streaming = dict(KEYS0=0, KEYS1=0, KEYS2=0)
         yield ("fused_attention", _attention_kernel, dtype, {}, dict(HEAD_DIM=80, BLOCK_D=128, INPUT_PRECISION="ieee",
-                                                                     QKV_TF32=False, O_TF32=False), None)
+                                                                     QKV_TF32=False, O_TF32=False, **streaming), None)
+        # One pass over 197 keys, as fused_attention launches it at one ViT-B image.
+        yield ("fused_attention-one-pass-early", _attention_kernel.fn, dtype, {"num_warps": ONE_PASS_WARPS, "num_stages": 1},
+               dict(HEAD_DIM=64, BLOCK_D=64, INPUT_PRECISION="ieee", QKV_TF32=False, O_TF32=False, PDL=PDL_EARLY,
+                    **dict(zip(("KEYS0", "KEYS1", "KEYS2"), key_pieces(197))), BLOCK_M=ONE_PASS_BLOCK_M,
+                    BLOCK_N=16), None)
         yield ("patch_embed", _patch_embed_kernel, dtype, {}, dict(
             PATCH=16, HAS_BIAS=True, HAS_PREFIX=True, HAS_POS=True, POS_HAS_PREFIX=dtype != "fp16",
             INPUT_PRECISION="ieee", W_TF32=False), None)
@@ -119,7 +125,7 @@ def cases():
     yield ("round_to_tf32", _round_to_tf32_kernel, "tf32", {"num_warps": 8}, dict(BLOCK=4096), None)
     for pre in (False, True):
         yield ("fused_attention", _attention_kernel, "tf32", {}, dict(HEAD_DIM=64, BLOCK_D=64, INPUT_PRECISION="tf32",
-                                                                      QKV_TF32=pre, O_TF32=pre), None)
+                                                                      QKV_TF32=pre, O_TF32=pre, **streaming), None)
     yield ("layer_norm", _layer_norm_kernel, "tf32", {"num_warps": 4}, dict(NUM_PARTS=2, Y_TF32=True, BLOCK_M=2,
                                                                             BLOCK_D=1024), None)
 

@@ -35,23 +35,39 @@ def attend(q, k, v, scale=None):
     check(fused_attention(q, k, v, scale=scale), torch_attention(scale), q, k, v)
 
 
+def use_path(monkeypatch, path):
+    """Runs the kernel on one of its paths: streamed key blocks with an online softmax (never one pass),
+    or one pass over all keys (wherever T allows, however many programs)."""
+    monkeypatch.setattr(ATTENTION, "ONE_PASS_WAVES", 0 if path == "streaming" else 1 << 30)
+
+
+@pytest.fixture(params=["streaming", "one pass"])
+def path(request, monkeypatch):
+    """Each test that takes it runs on both paths of the kernel."""
+    use_path(monkeypatch, request.param)
+
+
 # Every pair of sequence length and head dim once (pairwise, not the full product with the dtypes:
 # the interpreter is slow). Along each diagonal i + j the dtype cycles through three and batch x heads
 # through 1 x 3 and 3 x 2, so each dtype meets every length, every head dim and both batch sizes.
 TOKENS = [1, 50, 37, 197, 257]  # 50 (ViT-B/32): two 16-key tail blocks after a whole one
 HEAD_DIMS = [32, 64, 80, 96, 128]
-SHAPES = [(1 + (i + j) % 2 * 2, t, 3 - (i + j) % 2, d, DTYPES[(i + j) % 3])
-          for i, t in enumerate(TOKENS) for j, d in enumerate(HEAD_DIMS)]
+# Each shape on both paths, but for T = 257, which streams at any launch size.
+SHAPES = [(1 + (i + j) % 2 * 2, t, 3 - (i + j) % 2, d, DTYPES[(i + j) % 3], path)
+          for i, t in enumerate(TOKENS) for j, d in enumerate(HEAD_DIMS)
+          for path in ("streaming", "one pass")[:1 if t > ATTENTION.ONE_PASS_MAX_T else 2]]
 
 
-@pytest.mark.parametrize("batch, tokens, heads, head_dim, dtype", SHAPES,
-                         ids=[f"B{b}-T{t}-H{h}-Dh{d}-{str(dt)[6:]}" for b, t, h, d, dt in SHAPES])
-def test_shapes(batch, tokens, heads, head_dim, dtype):
+@pytest.mark.parametrize("batch, tokens, heads, head_dim, dtype, path", SHAPES,
+                         ids=[f"B{b}-T{t}-H{h}-Dh{d}-{str(dt)[6:]}-{p}" for b, t, h, d, dt, p in SHAPES])
+def test_shapes(batch, tokens, heads, head_dim, dtype, path, monkeypatch):
+    use_path(monkeypatch, path)
     attend(*qkv(batch, tokens, heads, head_dim, dtype))
 
 
 @each_dtype
 @pytest.mark.parametrize("tokens, head_dim", [(37, 80), (197, 64)])
+@pytest.mark.usefixtures("path")
 def test_contiguous_inputs(dtype, tokens, head_dim):
     attend(*qkv(3, tokens, 2, head_dim, dtype, strided=False))
 
@@ -60,9 +76,32 @@ def test_577_tokens():
     attend(*qkv(1, 577, 1, 64, torch.bfloat16))
 
 
+@pytest.mark.parametrize("tokens, pieces", [(1, (16, 0, 0)), (16, (16, 0, 0)), (17, (32, 0, 0)), (50, (64, 0, 0)),
+                                            (145, (128, 32, 0)), (197, (128, 64, 16)), (240, (128, 64, 64)),
+                                            (256, (256, 0, 0))])
+def test_one_pass_key_pieces(tokens, pieces):
+    # T rounded up to 16, as at most three powers of two that cover it
+    assert ATTENTION.key_pieces(tokens) == pieces
+
+
+def test_one_pass_only_for_short_launches(monkeypatch):
+    # One pass where T <= 256 and the launch is at most ONE_PASS_WAVES programs an SM (here 4 SMs and
+    # 32-row blocks, on any device: 8 programs); otherwise the tuned streaming kernel runs.
+    monkeypatch.setattr(ATTENTION, "num_programs", lambda device: 4)
+    monkeypatch.setattr(ATTENTION, "ONE_PASS_BLOCK_M", 32)
+    tuned = []
+    run = ATTENTION._attention_kernel.run
+    monkeypatch.setattr(ATTENTION._attention_kernel, "run",
+                        lambda *args, **kwargs: tuned.append(args[4:6]) or run(*args, **kwargs))   # (T, H)
+    for batch, tokens, heads in [(2, 17, 4), (3, 17, 3), (1, 257, 1), (1, 40, 4)]:   # 8, 9, 9 and 8 programs
+        attend(*qkv(batch, tokens, heads, 32, torch.bfloat16))
+    assert tuned == [(17, 3), (257, 1)]
+
+
 def test_tuned_per_batch_class(monkeypatch):
     # The best tile at one image (few programs) is not the best at 256 (benchmarks/NOTES.md 16: 1.38x slower there),
     # so the autotuner keys on B*H rounded up to a power of two, not on the sequence alone.
+    monkeypatch.setattr(ATTENTION, "ONE_PASS_WAVES", 0)
     kernel = ATTENTION._attention_kernel
     assert "batch_heads" in kernel.keys
     seen = []
@@ -74,11 +113,13 @@ def test_tuned_per_batch_class(monkeypatch):
 
 
 @each_dtype
+@pytest.mark.usefixtures("path")
 def test_custom_scale(dtype):
     attend(*qkv(3, 37, 2, 96, dtype), scale=0.3)
 
 
 @each_dtype
+@pytest.mark.usefixtures("path")
 def test_large_logits_stay_finite_and_accurate(dtype):
     # q and k x10: logits in the hundreds, so exp() overflows unless the running max is subtracted
     # first. (At x30 the float32 rounding of logits in the thousands alone moves any implementation's
@@ -87,6 +128,7 @@ def test_large_logits_stay_finite_and_accurate(dtype):
 
 
 @each_dtype
+@pytest.mark.usefixtures("path")
 def test_every_element_is_written_in_place(dtype):
     q, k, v = qkv(3, 37, 2, 80, dtype)
     buffer = nan_filled(3, 37, 2, 2, 80, dtype=dtype)

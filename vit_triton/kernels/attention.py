@@ -12,6 +12,14 @@ with the scale folded into log2(e)), so the T x T scores never leave on-chip mem
 masked, in blocks of 16, so a sequence of 197 costs 208 keys of work, not 256. Head dims that are not a
 power of two (80, 96) are padded to one in registers by masked loads.
 
+One pass (sequences up to 256, launches of at most two waves): a program takes all of its head's keys
+at once, in up to three power-of-two pieces (197: 128 + 64 + 16), and holds every score of its query
+block, so the softmax is one max, one exponential and one sum a score with no rescaling in between.
+Its loads are not pipelined and it needs about twice the registers, 1.5-1.8x slower than streaming
+where the launch is many waves deep; where the GPU is latency-bound (ViT-B/16, 1-5 images) its one
+dependent chain (scores, max, exponentials, P V) instead of one a key block wins in the forward
+(benchmarks/NOTES.md 44).
+
 Cost: 4*B*H*T*T*Dh FLOPs (two GEMMs) + B*H*T*T exponentials; at least 4*B*T*H*Dh elements moved.
 """
 
@@ -23,38 +31,83 @@ import triton
 import triton.language as tl
 
 from ._common import (
-    LOG2E, cast, check_device, check_dtype, check_float, check_shape, exp2, input_precision, mma, pdl,
-    start_next_kernel, to_tf32, tune, wait_for_previous_kernel,
+    INTERPRET, LOG2E, cast, check_device, check_dtype, check_float, check_shape, exp2, input_precision, mma,
+    num_programs, pdl, start_next_kernel, to_tf32, tune, wait_for_previous_kernel,
 )
 
 TAIL_N = tl.constexpr(16)  # the smallest key block a 16-bit tensor-core product takes (k = 16)
 SMALLEST_BLOCK_M = 64      # of the configs below: the launch with the most programs
+ONE_PASS_MAX_T = 256       # one pass holds BLOCK_M x 256 fp32 scores at most
+ONE_PASS_WAVES = 2         # ... in launches of at most this many programs an SM
+# The one-pass launch: 64 query rows (one warpgroup's wgmma), 4 warps; 32 rows under the interpreter.
+ONE_PASS_BLOCK_M, ONE_PASS_WARPS = (32, 4) if INTERPRET else (64, 4)
+
+
+@triton.jit
+def _scores(q, k_base, start, T, sk_t, offs_d, mask_d, INPUT_PRECISION: tl.constexpr, QKV_TF32: tl.constexpr,
+            BLOCK: tl.constexpr, MASKED: tl.constexpr):
+    """q k^T for keys start .. start + BLOCK, -inf past T if MASKED."""
+    offs_n = start + tl.arange(0, BLOCK)
+    k_mask = (offs_n < T)[None, :] & mask_d[:, None] if MASKED else mask_d[:, None]
+    k = tl.load(k_base + offs_n[None, :] * sk_t + offs_d[:, None], mask=k_mask, other=0.0)
+    s = mma(q, k, tl.zeros((q.shape[0], BLOCK), dtype=tl.float32), INPUT_PRECISION, QKV_TF32, QKV_TF32)
+    if MASKED:
+        s = tl.where((offs_n < T)[None, :], s, float("-inf"))
+    return s
+
+
+@triton.jit
+def _add_pv(acc, p, v_base, start, T, sv_t, offs_d, mask_d, INPUT_PRECISION: tl.constexpr, QKV_TF32: tl.constexpr,
+            BLOCK: tl.constexpr, MASKED: tl.constexpr):
+    """acc + p v for keys start .. start + BLOCK (V read as zeros past T if MASKED)."""
+    offs_n = start + tl.arange(0, BLOCK)
+    v_mask = (offs_n < T)[:, None] & mask_d[None, :] if MASKED else mask_d[None, :]
+    v = tl.load(v_base + offs_n[:, None] * sv_t + offs_d[None, :], mask=v_mask, other=0.0)
+    return mma(cast(p, v.dtype), v, acc, INPUT_PRECISION, False, QKV_TF32)
 
 
 @triton.jit
 def _attend(acc, m_i, l_i, q, k_base, v_base, start, T, sk_t, sv_t, qk_scale, offs_d, mask_d,
             INPUT_PRECISION: tl.constexpr, QKV_TF32: tl.constexpr, BLOCK: tl.constexpr, MASKED: tl.constexpr):
     """One step of the online softmax over keys start .. start + BLOCK (masked past T if MASKED)."""
-    offs_n = start + tl.arange(0, BLOCK)
-    if MASKED:
-        valid_n = offs_n < T
-        k_mask = valid_n[None, :] & mask_d[:, None]
-        v_mask = valid_n[:, None] & mask_d[None, :]
-    else:
-        k_mask = mask_d[:, None]
-        v_mask = mask_d[None, :]
-    k = tl.load(k_base + offs_n[None, :] * sk_t + offs_d[:, None], mask=k_mask, other=0.0)
-    s = mma(q, k, tl.zeros((q.shape[0], BLOCK), dtype=tl.float32), INPUT_PRECISION, QKV_TF32, QKV_TF32)
-    if MASKED:
-        s = tl.where(valid_n[None, :], s, float("-inf"))
+    s = _scores(q, k_base, start, T, sk_t, offs_d, mask_d, INPUT_PRECISION, QKV_TF32, BLOCK, MASKED)
     # The scale (> 0) is applied to the row max, and to each score inside the exponent's FMA.
     m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
     p = exp2(s * qk_scale - m_new[:, None])
     alpha = exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = tl.load(v_base + offs_n[:, None] * sv_t + offs_d[None, :], mask=v_mask, other=0.0)
-    acc = mma(cast(p, v.dtype), v, acc * alpha[:, None], INPUT_PRECISION, False, QKV_TF32)
+    acc = _add_pv(acc * alpha[:, None], p, v_base, start, T, sv_t, offs_d, mask_d, INPUT_PRECISION, QKV_TF32, BLOCK,
+                  MASKED)
     return acc, m_new, l_i
+
+
+@triton.jit
+def _attend_once(q, k_base, v_base, T, sk_t, sv_t, qk_scale, offs_d, mask_d, acc,
+                 INPUT_PRECISION: tl.constexpr, QKV_TF32: tl.constexpr,
+                 KEYS0: tl.constexpr, KEYS1: tl.constexpr, KEYS2: tl.constexpr):
+    """The one-pass softmax over all T keys, in pieces KEYS0 >= KEYS1 >= KEYS2 (0: absent; the last
+    present one is masked past T). Returns the unnormalised P V and the row sums of P."""
+    s0 = _scores(q, k_base, 0, T, sk_t, offs_d, mask_d, INPUT_PRECISION, QKV_TF32, KEYS0, KEYS1 == 0)
+    m = tl.max(s0, axis=1)
+    if KEYS1 > 0:
+        s1 = _scores(q, k_base, KEYS0, T, sk_t, offs_d, mask_d, INPUT_PRECISION, QKV_TF32, KEYS1, KEYS2 == 0)
+        m = tl.maximum(m, tl.max(s1, axis=1))
+    if KEYS2 > 0:
+        s2 = _scores(q, k_base, KEYS0 + KEYS1, T, sk_t, offs_d, mask_d, INPUT_PRECISION, QKV_TF32, KEYS2, True)
+        m = tl.maximum(m, tl.max(s2, axis=1))
+    m = m * qk_scale   # the scale (> 0) is applied to the row max, and to each score inside the exponent's FMA
+    p = exp2(s0 * qk_scale - m[:, None])
+    l_i = tl.sum(p, axis=1)
+    acc = _add_pv(acc, p, v_base, 0, T, sv_t, offs_d, mask_d, INPUT_PRECISION, QKV_TF32, KEYS0, KEYS1 == 0)
+    if KEYS1 > 0:
+        p = exp2(s1 * qk_scale - m[:, None])
+        l_i += tl.sum(p, axis=1)
+        acc = _add_pv(acc, p, v_base, KEYS0, T, sv_t, offs_d, mask_d, INPUT_PRECISION, QKV_TF32, KEYS1, KEYS2 == 0)
+    if KEYS2 > 0:
+        p = exp2(s2 * qk_scale - m[:, None])
+        l_i += tl.sum(p, axis=1)
+        acc = _add_pv(acc, p, v_base, KEYS0 + KEYS1, T, sv_t, offs_d, mask_d, INPUT_PRECISION, QKV_TF32, KEYS2, True)
+    return acc, l_i
 
 
 @triton.autotune(
@@ -78,6 +131,7 @@ def _attention_kernel(
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, PDL: tl.constexpr,
     QKV_TF32: tl.constexpr, O_TF32: tl.constexpr,   # q, k, v hold tf32 values already; o stored rounded to tf32
+    KEYS0: tl.constexpr, KEYS1: tl.constexpr, KEYS2: tl.constexpr,   # one pass over pieces of keys if KEYS0 > 0
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
@@ -101,15 +155,19 @@ def _attention_kernel(
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    # Whole key blocks without masks, then the last T % BLOCK_N keys in blocks of TAIL_N: at 197
-    # tokens, 3 x 64 + 16 keys are multiplied instead of 4 x 64.
-    whole = T - T % BLOCK_N
-    for start in range(0, whole, BLOCK_N):
-        acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_base, v_base, start, T, sk_t, sv_t, qk_scale, offs_d, mask_d,
-                                INPUT_PRECISION, QKV_TF32, BLOCK_N, False)
-    for start in range(whole, T, TAIL_N):
-        acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_base, v_base, start, T, sk_t, sv_t, qk_scale, offs_d, mask_d,
-                                INPUT_PRECISION, QKV_TF32, TAIL_N, True)
+    if KEYS0 > 0:
+        acc, l_i = _attend_once(q, k_base, v_base, T, sk_t, sv_t, qk_scale, offs_d, mask_d, acc,
+                                INPUT_PRECISION, QKV_TF32, KEYS0, KEYS1, KEYS2)
+    else:
+        # Whole key blocks without masks, then the last T % BLOCK_N keys in blocks of TAIL_N: at 197
+        # tokens, 3 x 64 + 16 keys are multiplied instead of 4 x 64.
+        whole = T - T % BLOCK_N
+        for start in range(0, whole, BLOCK_N):
+            acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_base, v_base, start, T, sk_t, sv_t, qk_scale, offs_d,
+                                    mask_d, INPUT_PRECISION, QKV_TF32, BLOCK_N, False)
+        for start in range(whole, T, TAIL_N):
+            acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_base, v_base, start, T, sk_t, sv_t, qk_scale, offs_d,
+                                    mask_d, INPUT_PRECISION, QKV_TF32, TAIL_N, True)
 
     start_next_kernel(PDL)
     o = acc / l_i[:, None]
@@ -157,12 +215,20 @@ def fused_attention(
 
     # The best tile depends on how many programs fill the GPU (one image: 64-row tiles, every SM
     # busy; 256 images: 128-row tiles, at 0.75x the time of 64-row ones), so the tuner keys on B*H's
-    # power of two as well as on the sequence.
+    # power of two as well as on the sequence. A short launch takes the one-pass path untuned.
+    programs = B * H * triton.cdiv(T, ONE_PASS_BLOCK_M)
+    if T <= ONE_PASS_MAX_T and programs <= ONE_PASS_WAVES * num_programs(q.device):
+        kernel = _attention_kernel.fn
+        launch = dict(zip(("KEYS0", "KEYS1", "KEYS2"), key_pieces(T)), BLOCK_M=ONE_PASS_BLOCK_M, BLOCK_N=TAIL_N,
+                      num_warps=ONE_PASS_WARPS, num_stages=1)
+    else:
+        kernel, launch = _attention_kernel, dict(KEYS0=0, KEYS1=0, KEYS2=0)
+
     def grid(meta):
         # One axis, which allows 2^31 - 1 programs (axis 1 allows 65535).
         return (B * H * triton.cdiv(T, meta["BLOCK_M"]),)
 
-    _attention_kernel[grid](
+    kernel[grid](
         q, k, v, out,
         T, H, triton.next_power_of_2(B * H), scale * LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
@@ -172,5 +238,15 @@ def fused_attention(
         HEAD_DIM=Dh, BLOCK_D=max(16, triton.next_power_of_2(Dh)),
         INPUT_PRECISION=precision, QKV_TF32=precision == "tf32" and tf32_input,
         O_TF32=precision == "tf32" and tf32_output, **pdl(q.device, B * H * triton.cdiv(T, SMALLEST_BLOCK_M)),
+        **launch,
     )
     return out
+
+
+def key_pieces(T: int) -> tuple[int, int, int]:
+    """T keys rounded up to 16 as at most three powers of two, largest first, 0 for an absent piece
+    (197 -> 208 = 128 + 64 + 16); a fourth binary digit and below round up into the third piece."""
+    bits = [1 << i for i in reversed(range(ONE_PASS_MAX_T.bit_length())) if triton.cdiv(T, 16) * 16 & 1 << i]
+    if len(bits) > 3:
+        bits = bits[:2] + [triton.next_power_of_2(sum(bits[2:]))]
+    return tuple(bits + [0] * (3 - len(bits)))
