@@ -17,7 +17,7 @@ from tests.numerics import DEVICE, assert_close
 from vit_triton.kernels import ACTIVATIONS, linear, linear_partials, split_k
 from vit_triton.kernels import tf32 as TF32
 from vit_triton.kernels._common import num_programs
-from vit_triton.kernels.linear import MAX_SPLITS, SPLIT_MAX_TILES, SPLIT_MIN_DEPTH, SPLIT_TILE, SPLITS
+from vit_triton.kernels.linear import MAX_SPLITS, SPLIT_MAX_TILES, SPLIT_MIN_DEPTH, SPLIT_PROGRAMS, SPLIT_TILE
 from vit_triton.kernels.tf32 import TF32_WEIGHT_ROWS
 
 
@@ -184,12 +184,17 @@ def test_bad_splits(splits):
 
 
 def test_split_k_cuts_deep_products_of_few_tiles():
-    most = int(SPLIT_MAX_TILES * num_programs(DEVICE))   # tiles a product may have and still be cut
-    deep = SPLITS * SPLIT_MIN_DEPTH
-    assert split_k(SPLIT_TILE, SPLIT_TILE, deep, DEVICE) == SPLITS                  # one tile
-    assert split_k(SPLIT_TILE * most - 1, SPLIT_TILE, 10 * deep, DEVICE) == SPLITS
-    assert split_k(SPLIT_TILE * most + 1, SPLIT_TILE, 10 * deep, DEVICE) == 1       # one tile too many
-    assert split_k(1, 1, deep - 1, DEVICE) == 1                                     # slices too shallow
+    sms = num_programs(DEVICE)
+    most = SPLIT_MAX_TILES * sms            # tiles a product may have and still be cut
+    deep = MAX_SPLITS * SPLIT_MIN_DEPTH     # deep enough for every slice count
+    assert split_k(SPLIT_TILE, SPLIT_TILE, deep, DEVICE) == MAX_SPLITS             # one tile: the most slices
+    assert split_k(SPLIT_TILE, SPLIT_TILE, 3 * SPLIT_MIN_DEPTH, DEVICE) == 3       # no slice shallower
+    assert split_k(SPLIT_TILE, SPLIT_TILE, 2 * SPLIT_MIN_DEPTH - 1, DEVICE) == 1   # slices too shallow
+    # as many slices as keep SPLIT_PROGRAMS programs an SM: tiles x slices <= SPLIT_PROGRAMS x SMs
+    for tiles in range(1, most + 1):
+        expected = max([s for s in range(2, MAX_SPLITS + 1) if tiles * s <= SPLIT_PROGRAMS * sms], default=1)
+        assert split_k(SPLIT_TILE * tiles - 1, SPLIT_TILE, deep, DEVICE) == expected, tiles
+    assert split_k(SPLIT_TILE * most + 1, SPLIT_TILE, deep, DEVICE) == 1           # one tile too many
 
 
 def test_runs_from_a_new_thread():

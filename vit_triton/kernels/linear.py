@@ -212,19 +212,24 @@ _TUNER = Tuner("linear", Path(__file__).read_text())
 
 
 MAX_SPLITS = 4
-# split_k's rule (ViT-S/B/L on an H100, benchmarks/NOTES.md 22): 3 slices, each at least SPLIT_MIN_DEPTH
-# deep, for products of at most one 64 x 64 tile an SM (32 x 32 under the interpreter).
-SPLITS, SPLIT_MAX_TILES = 3, 1
-SPLIT_TILE, SPLIT_MIN_DEPTH = (INTERPRETER.block_m, INTERPRETER.block_k) if INTERPRET else (64, 512)
+# split_k's rule (ViT-S/B/L on an H100, benchmarks/NOTES.md 22, 45): products of at most SPLIT_MAX_TILES
+# 64 x 64 tiles an SM (32 x 32 under the interpreter) are cut into the most slices, up to MAX_SPLITS, that
+# keep the launch at most SPLIT_PROGRAMS programs an SM, each slice at least SPLIT_MIN_DEPTH deep.
+SPLIT_MAX_TILES, SPLIT_PROGRAMS = 1, 2
+SPLIT_TILE, SPLIT_MIN_DEPTH = (INTERPRETER.block_m, INTERPRETER.block_k) if INTERPRET else (64, 384)
 
 
 def split_k(M: int, N: int, K: int, device: torch.device) -> int:
-    """How many K slices to cut x [M, K] @ W^T [K, N] into (linear_partials): SPLITS where K is deep
-    (each slice at least SPLIT_MIN_DEPTH) and the product has at most SPLIT_MAX_TILES tiles an SM
-    (one wave or less, leaving SMs idle or each with one long K loop), else 1 (no split)."""
+    """How many K slices to cut x [M, K] @ W^T [K, N] into (linear_partials): for a product of at most
+    SPLIT_MAX_TILES tiles an SM (one wave or less, leaving SMs idle or each with one long K loop), the
+    largest count up to MAX_SPLITS with at most SPLIT_PROGRAMS programs an SM and slices at least
+    SPLIT_MIN_DEPTH deep; else 1 (no split). ViT-B/16 at one image: fc2 in 4 slices, proj in 2."""
     tiles = triton.cdiv(M, SPLIT_TILE) * triton.cdiv(N, SPLIT_TILE)
-    small = tiles <= SPLIT_MAX_TILES * num_programs(device)
-    return SPLITS if small and K >= SPLITS * SPLIT_MIN_DEPTH else 1
+    sms = num_programs(device)
+    if tiles > SPLIT_MAX_TILES * sms:
+        return 1
+    return next((s for s in range(MAX_SPLITS, 1, -1)
+                 if tiles * s <= SPLIT_PROGRAMS * sms and K >= s * SPLIT_MIN_DEPTH), 1)
 
 
 def linear(
