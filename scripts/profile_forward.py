@@ -16,6 +16,7 @@ the epilogue, SDPA, F.layer_norm), each timed alone from CUDA-graph replays at t
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 
 import torch
@@ -28,16 +29,44 @@ from vit_triton.bench.numerics import randomize_
 from vit_triton.bench.workloads import forward_workloads
 from vit_triton.model import PRESETS, ViT, ViTConfig
 
+LINEAR = importlib.import_module("vit_triton.kernels.linear")   # the module; the package exports the function
 
-def launch_order(cfg: ViTConfig, batch: int) -> list[str]:
-    """The cost names of the forward's kernels in the order they are launched."""
+
+def launch_order(cfg: ViTConfig, batch: int, linear_rows: list[int]) -> list[str]:
+    """The cost names of the forward's kernels in the order they are launched. linear_rows: the rows of
+    each linear launch in order (linear_launches): a product whose last wave would leave most SMs idle
+    runs as two launches (kernels.linear.whole_wave_rows), each named after the product."""
     costs = {c.name: c for c in forward_costs(cfg, batch, 2)}
     names = ["patch_embed"] + (["layer_norm pre"] if cfg.pre_norm else [])
     block = ["layer_norm", "linear qkv", "fused_attention", "linear proj +res", "layer_norm",
              f"linear fc1 +{cfg.act}", "linear fc2 +res"]
     names += block * cfg.depth
     names += [n for n in ("layer_norm final", "token_mean", "layer_norm fc", "linear head") if n in costs]
-    return names
+    launches, rows = [], iter(linear_rows)
+    for name in names:
+        launches.append(name)
+        left = costs[name].dims["m"] - next(rows) if costs[name].kind == "linear" else 0
+        while left > 0:
+            launches.append(name)
+            left -= next(rows)
+    return launches
+
+
+def linear_launches(model: ViT, pixels: torch.Tensor) -> list[int]:
+    """The rows of each linear kernel launch of one forward of the model, in order."""
+    rows, launch = [], LINEAR.launch_linear
+
+    def counted(config, x, *args):
+        rows.append(x.shape[0])
+        launch(config, x, *args)
+
+    LINEAR.launch_linear = counted
+    try:
+        with torch.inference_mode():
+            model(pixels)
+    finally:
+        LINEAR.launch_linear = launch
+    return rows
 
 
 def graph_timer(fn) -> float:
@@ -62,7 +91,7 @@ def profile_replay(runner, pixels: torch.Tensor) -> list[tuple[float, float]]:
 def breakdown(model: ViT, cfg: ViTConfig, batch: int, dtype: torch.dtype, with_alone: bool = True) -> dict:
     runner = vit_triton.compile(model, batch_sizes=[batch])
     pixels = torch.randn(batch, cfg.in_chans, cfg.image_size, cfg.image_size, device="cuda").to(dtype)
-    names = launch_order(cfg, batch)
+    names = launch_order(cfg, batch, linear_launches(model, pixels))
     kernels = profile_replay(runner, pixels)
     if len(kernels) != len(names):
         raise RuntimeError(f"expected {len(names)} kernels in the graph, the profiler saw {len(kernels)}")

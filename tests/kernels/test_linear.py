@@ -1,6 +1,7 @@
 """linear: y = scale * (act(x @ W^T + b) [+ residual]) against F.linear and PyTorch's activations; linear_partials
-and split_k (split K)."""
+and split_k (split K); whole_wave_rows (a short last wave's rows launched apart)."""
 
+import importlib
 import itertools
 import threading
 from functools import partial
@@ -17,8 +18,13 @@ from tests.numerics import DEVICE, assert_close
 from vit_triton.kernels import ACTIVATIONS, linear, linear_partials, split_k
 from vit_triton.kernels import tf32 as TF32
 from vit_triton.kernels._common import num_programs
-from vit_triton.kernels.linear import MAX_SPLITS, SPLIT_MAX_TILES, SPLIT_MIN_DEPTH, SPLIT_PROGRAMS, SPLIT_TILE
+from vit_triton.kernels._tune import Config
+from vit_triton.kernels.linear import (
+    INTERPRETER, MAX_SPLITS, SPLIT_MAX_TILES, SPLIT_MIN_DEPTH, SPLIT_PROGRAMS, SPLIT_TILE, whole_wave_rows,
+)
 from vit_triton.kernels.tf32 import TF32_WEIGHT_ROWS
+
+LINEAR = importlib.import_module("vit_triton.kernels.linear")   # the module; the package exports the function
 
 
 TORCH_ACTIVATIONS = {
@@ -195,6 +201,37 @@ def test_split_k_cuts_deep_products_of_few_tiles():
         expected = max([s for s in range(2, MAX_SPLITS + 1) if tiles * s <= SPLIT_PROGRAMS * sms], default=1)
         assert split_k(SPLIT_TILE * tiles - 1, SPLIT_TILE, deep, DEVICE) == expected, tiles
     assert split_k(SPLIT_TILE * most + 1, SPLIT_TILE, deep, DEVICE) == 1           # one tile too many
+
+
+def test_whole_wave_rows_splits_a_short_last_wave_of_a_shallow_launch():
+    sms = num_programs(DEVICE)   # 4 under the interpreter, so a last wave of one tile is at most 30% full
+    config = Config(32, 64, 32, 4, 1)   # N = 64: one column of tiles, a tile a row block of 32
+    assert whole_wave_rows(32 * sms + 5, 64, config, DEVICE) == 32 * sms            # one wave and 5 rows
+    assert whole_wave_rows(32 * (2 * sms + 1), 64, config._replace(persistent=2), DEVICE) == 64 * sms
+    assert whole_wave_rows(32 * 2 * sms, 64, config, DEVICE) == 64 * sms            # whole waves: as it is
+    fuller = 32 * (sms + int(0.3 * sms) + 1)                                        # last wave over 30% full
+    assert whole_wave_rows(fuller, 64, config, DEVICE) == fuller
+    deep = 32 * (8 * sms + 1)                                                       # idle under an eighth
+    assert whole_wave_rows(deep, 64, config, DEVICE) == deep
+    assert whole_wave_rows(32 * (sms - 1), 64, config, DEVICE) == 32 * (sms - 1)   # under one wave
+
+
+@each_dtype
+def test_short_last_wave_launched_apart(dtype, monkeypatch):
+    # Two waves and a last of one tile of 32 x 32 under the interpreter (4 programs): the rows of the two
+    # waves in one launch, the last rows (strided views of strided views) in another, both right.
+    m, n = 70, 70
+    x, w, b, r = inputs(m, n, 53, dtype, strided=True)
+    linear(x, w, b, activation="gelu", residual=r)   # on a GPU, the tuner's launches happen here
+    launches = []
+    launch = LINEAR.launch_linear
+    monkeypatch.setattr(LINEAR, "launch_linear",
+                        lambda config, x, *args: launches.append((config, x.shape[0])) or launch(config, x, *args))
+    check(linear(x, w, b, activation="gelu", residual=r), torch_linear("gelu"), x, w, b, r)
+    rows = whole_wave_rows(m, n, launches[0][0], DEVICE)
+    assert [launched for _, launched in launches] == ([m] if rows == m else [rows, m - rows])
+    if launches[0][0] == INTERPRETER:
+        assert rows == 64
 
 
 def test_runs_from_a_new_thread():

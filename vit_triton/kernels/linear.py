@@ -17,7 +17,9 @@ tile's loads are in flight during this tile's epilogue. When every matrix is 16-
 (base and row stride) tiles move through TMA descriptors, which zero-fill and clip at the edges;
 otherwise through masked pointer loads and stores. The descriptors are built on the host and
 passed as kernel parameters: built in the kernel, each program spent 2-3 us on them before its
-first load, a third of a GEMM's time at one image (benchmarks/NOTES.md).
+first load, a third of a GEMM's time at one image (benchmarks/NOTES.md). A product whose last wave
+of tiles would leave most SMs idle runs as two launches: the rows of its whole waves, then the rest
+with a config tuned for them (whole_wave_rows).
 
 The launch config (tile, warps, stages, persistence) is chosen per shape by timing a short list of
 candidates (_tune.py), since the descriptors depend on it.
@@ -211,6 +213,9 @@ def _linear_kernel(
 _TUNER = Tuner("linear", Path(__file__).read_text())
 
 
+# whole_wave_rows' rule (ViT-B/L on an H100, benchmarks/NOTES.md 46): a last wave at most this full, in a
+# launch that would leave at least this share of its program slots idle (deep launches lost).
+WAVE_SPLIT_FILL, WAVE_SPLIT_IDLE = 0.3, 0.125
 MAX_SPLITS = 4
 # split_k's rule (ViT-S/B/L on an H100, benchmarks/NOTES.md 22, 45): products of at most SPLIT_MAX_TILES
 # 64 x 64 tiles an SM (32 x 32 under the interpreter) are cut into the most slices, up to MAX_SPLITS, that
@@ -326,13 +331,42 @@ def _precision(x, weight, allow_tf32: bool | None, tf32_input: bool) -> tuple[to
 
 
 def _tuned_launch(x, weight, bias, residual, out, scale: float, flags: dict) -> None:
-    """Launches the kernel with the fastest candidate config for this shape and these flags."""
+    """Launches the kernel with the fastest candidate config for this shape and these flags; where that
+    config's last wave would leave most SMs idle, the rows of its whole waves, then the rest with a
+    config tuned for them (whole_wave_rows)."""
+    config = _pick(x, weight, bias, residual, out, scale, flags)
+    rows = x.shape[0] if flags["SPLIT_K"] > 1 else whole_wave_rows(x.shape[0], weight.shape[0], config, x.device)
+    if rows == x.shape[0]:
+        return launch_linear(config, x, weight, bias, residual, out, scale, flags)
+    for part in (slice(0, rows), slice(rows, None)):
+        x_part, r_part, y_part = x[part], None if residual is None else residual[part], out[part]
+        part_flags = dict(flags, USE_TMA=tma_ready(x_part, weight, r_part, y_part))
+        part_config = config if part.start == 0 else _pick(x_part, weight, bias, r_part, y_part, scale, part_flags)
+        launch_linear(part_config, x_part, weight, bias, r_part, y_part, scale, part_flags)
+
+
+def _pick(x, weight, bias, residual, out, scale: float, flags: dict) -> Config:
+    """The fastest candidate config for this shape and these flags (timed on first sight)."""
     def launch(config: Config) -> None:
         launch_linear(config, x, weight, bias, residual, out, scale, flags)
 
     M, K = x.shape
     key = (M, weight.shape[0], K, str(x.dtype), *flags.values())
-    launch(_TUNER.pick(key, _candidates(M, x.dtype), launch, x.device))
+    return _TUNER.pick(key, _candidates(M, x.dtype), launch, x.device)
+
+
+def whole_wave_rows(M: int, N: int, config: Config, device: torch.device) -> int:
+    """The rows of x [M, K] whose output tiles fill this config's whole waves (programs a wave: one or
+    `persistent` a SM), when its last wave would be at most WAVE_SPLIT_FILL full and leave at least
+    WAVE_SPLIT_IDLE of the launch's program slots empty; else M. ViT-B/16's proj and fc2 at 16 images:
+    150 tiles of 128 x 128 on 132 SMs, so 2816 rows in one wave, then 336 rows in smaller tiles
+    instead of 18 tiles on 18 SMs (benchmarks/NOTES.md 46)."""
+    slots = num_programs(device) * max(config.persistent, 1)
+    num_n = triton.cdiv(N, config.block_n)
+    waves, last = divmod(triton.cdiv(M, config.block_m) * num_n, slots)
+    rows = waves * slots // num_n * config.block_m
+    idle = (slots - last) / ((waves + 1) * slots)
+    return rows if 0 < last <= WAVE_SPLIT_FILL * slots and idle >= WAVE_SPLIT_IDLE and 0 < rows < M else M
 
 
 def launch_linear(config: Config, x, weight, bias, residual, out, scale: float, flags: dict) -> None:
