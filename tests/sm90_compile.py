@@ -23,7 +23,7 @@ from vit_triton.kernels.attention import ONE_PASS_BLOCK_M, ONE_PASS_WARPS, _atte
 from vit_triton.kernels.layer_norm import _layer_norm_kernel  # noqa: E402
 from vit_triton.kernels._common import PDL_EARLY, PDL_LATE  # noqa: E402
 from vit_triton.kernels._tune import Config  # noqa: E402
-from vit_triton.kernels.linear import ACTIVATIONS, FLOAT32, LARGE_M, TINY_M, _linear_kernel  # noqa: E402
+from vit_triton.kernels.linear import ACTIVATIONS, FLOAT32, LARGE_M, TINY_M, WIDE_RESIDUAL, _linear_kernel  # noqa: E402
 from vit_triton.kernels.patch_embed import _patch_embed_kernel  # noqa: E402
 from vit_triton.kernels.tf32 import _round_to_tf32_kernel  # noqa: E402
 from vit_triton.kernels.token_mean import _token_mean_kernel  # noqa: E402
@@ -93,6 +93,9 @@ def cases():
             for tma in (False, True):
                 yield linear_case("linear-tma" if tma else "linear", dtype, config, HAS_BIAS=bias, ACT=act,
                                   HAS_RESIDUAL=res, HAS_SCALE=not bias, INPUT_PRECISION="ieee", USE_TMA=tma)
+        if dtype == "bf16":   # the residual GEMMs' wide tile at large batch
+            yield linear_case("linear-tma-wide-residual", dtype, WIDE_RESIDUAL, HAS_BIAS=True, ACT="none",
+                              HAS_RESIDUAL=True, HAS_SCALE=False, INPUT_PRECISION="ieee", USE_TMA=True)
         # Launches whose programs all fit on the SMs: one image's GEMMs, and its GEMMs split along K.
         for tma, split_k in itertools.product((False, True), (1, 2)) if dtype == "bf16" else ():
             yield linear_case(f"linear{'-tma' * tma}{'-split' * (split_k > 1)}-early", dtype, TINY_M[0], PDL_EARLY,

@@ -8,6 +8,7 @@ from functools import partial
 
 import pytest
 import torch
+import triton
 import torch.nn.functional as F
 
 from tests.kernels.checks import (
@@ -20,7 +21,8 @@ from vit_triton.kernels import tf32 as TF32
 from vit_triton.kernels._common import num_programs
 from vit_triton.kernels._tune import Config
 from vit_triton.kernels.linear import (
-    INTERPRETER, MAX_SPLITS, SPLIT_MAX_TILES, SPLIT_MIN_DEPTH, SPLIT_PROGRAMS, SPLIT_TILE, whole_wave_rows,
+    FLOAT32, INTERPRETER, LARGE_M, MAX_SPLITS, SMALL_M, SPLIT_MAX_TILES, SPLIT_MIN_DEPTH, SPLIT_PROGRAMS, SPLIT_TILE,
+    TINY_M, whole_wave_rows,
 )
 from vit_triton.kernels.tf32 import TF32_WEIGHT_ROWS
 
@@ -201,6 +203,29 @@ def test_split_k_cuts_deep_products_of_few_tiles():
         expected = max([s for s in range(2, MAX_SPLITS + 1) if tiles * s <= SPLIT_PROGRAMS * sms], default=1)
         assert split_k(SPLIT_TILE * tiles - 1, SPLIT_TILE, deep, DEVICE) == expected, tiles
     assert split_k(SPLIT_TILE * most + 1, SPLIT_TILE, deep, DEVICE) == 1           # one tile too many
+
+
+# Configs that cannot hold a residual tile beside their pipeline in Hopper's shared memory (the tuner skips them).
+NO_ROOM_FOR_A_RESIDUAL = {LARGE_M[0], FLOAT32[1]}
+
+
+@each_dtype
+@pytest.mark.parametrize("strided", [False, True], ids=["tma", "pointers"])
+def test_every_candidate_config(dtype, strided, monkeypatch):
+    # Each launch config a GPU's tuner may pick, alone, at a shape none of its tiles divides, through TMA
+    # descriptors (rows 16-byte aligned) or masked pointers (strided views).
+    x, w, b, r = inputs(133, 72, 56, dtype, strided=strided)
+    configs = FLOAT32 if dtype == torch.float32 else list(dict.fromkeys(LARGE_M + SMALL_M + TINY_M))
+    skipped = []
+    for config in configs:
+        monkeypatch.setattr(LINEAR, "_candidates", lambda m, dtype, config=config: [config])
+        try:
+            y = linear(x, w, b, activation="gelu", residual=r)
+        except triton.runtime.errors.OutOfResources:
+            skipped.append(config)
+            continue
+        check(y, torch_linear("gelu"), x, w, b, r)
+    assert set(skipped) <= (NO_ROOM_FOR_A_RESIDUAL if DEVICE.type == "cuda" else set())
 
 
 def test_whole_wave_rows_splits_a_short_last_wave_of_a_shallow_launch():
