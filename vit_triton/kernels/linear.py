@@ -86,12 +86,12 @@ def _activation(x, ACT: tl.constexpr):
     return x
 
 
-# Candidates by dtype and row count, from sweeps on an H100 and an H200 at ViT-S/B/L shapes
-# (scripts/sweep_kernels.py, benchmarks/NOTES.md). Each list is short: every candidate of a new
-# shape is compiled and timed once.
 # 128 x 256 tiles beside a residual tile: at 3 stages of BLOCK_K = 64 (LARGE_M's first) they need 272 KiB of
 # shared memory, over Hopper's 227; at BLOCK_K = 32 and 4 stages they fit (benchmarks/NOTES.md 47).
 WIDE_RESIDUAL = Config(128, 256, 32, 8, 4)
+# Candidates by dtype and row count, from sweeps on an H100 and an H200 at ViT-S/B/L shapes
+# (scripts/sweep_kernels.py, benchmarks/NOTES.md). Each list is short: every candidate of a new
+# shape is compiled and timed once.
 LARGE_M = [
     Config(128, 256, 64, 8, 3), Config(128, 128, 64, 8, 5), Config(128, 128, 64, 4, 4),
     Config(128, 128, 128, 8, 3), Config(256, 128, 64, 8, 3), Config(128, 128, 64, 8, 4), WIDE_RESIDUAL,
