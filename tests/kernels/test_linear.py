@@ -8,8 +8,8 @@ from functools import partial
 
 import pytest
 import torch
-import triton
 import torch.nn.functional as F
+import triton
 
 from tests.kernels.checks import (
     TF32_WEIGHT_PATHS, assert_like_torch, assert_written_in_place, check, each_dtype, empty, inference, nan_filled, rand,
@@ -220,7 +220,7 @@ def test_every_candidate_config(dtype, strided, monkeypatch):
     configs = FLOAT32 if dtype == torch.float32 else list(dict.fromkeys(LARGE_M + SMALL_M + TINY_M))
     skipped = []
     for config in configs:
-        monkeypatch.setattr(LINEAR, "_candidates", lambda m, dtype, config=config: [config])
+        monkeypatch.setattr(LINEAR, "_candidates", lambda m, element, config=config: [config])
         try:
             y = linear(x, w, b, activation="gelu", residual=r)
         except triton.runtime.errors.OutOfResources:

@@ -36,7 +36,8 @@ program waits for another: the reader of the product (layer_norm's add_layer_nor
 the residual) sums the slices.
 
 Cost: 2*M*N*K FLOPs; at least (M*K + N*K + M*N [+ M*N residual]) elements moved (+ N bias); split K
-writes S*M*N fp32 partial sums instead of M*N outputs.
+writes S*M*N fp32 partial sums instead of M*N outputs; a product launched in two parts of rows reads W
+twice (+ N*K).
 """
 
 from __future__ import annotations
