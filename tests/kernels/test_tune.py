@@ -1,6 +1,7 @@
 """The launch-config tuner: the fastest candidate per key, kept in memory and on disk."""
 
 import json
+import threading
 
 import pytest
 
@@ -69,3 +70,23 @@ def test_a_corrupt_cache_file_is_timed_over(cache_dir):
     timer = FakeTimer({CONFIGS[0]: 1.0, CONFIGS[1]: 3.0, CONFIGS[2]: 2.0})
     assert Tuner("k", "source", timer).pick(("a",), CONFIGS, lambda c: c) == CONFIGS[0]
     assert json.loads(saved.read_text()) == {repr(("a",)): list(CONFIGS[0])}
+
+
+def test_a_launch_being_timed_may_pick_for_another_key():
+    # linear times a config that runs its last rows with the pick for their own key, from inside the
+    # timing of the outer key: the same thread takes the tuner's lock again.
+    times = {CONFIGS[0]: 3.0, CONFIGS[1]: 1.0, CONFIGS[2]: 2.0}
+    tuner = Tuner("k", "source", FakeTimer(times))
+    inner = []
+
+    def launch(config):
+        inner.append(tuner.pick(("rest",), CONFIGS[1:], lambda c: c))
+        return config
+
+    picked = []
+    worker = threading.Thread(target=lambda: picked.append(tuner.pick(("whole",), CONFIGS, launch)), daemon=True)
+    worker.start()
+    worker.join(timeout=30)
+    assert not worker.is_alive(), "the nested pick deadlocked"
+    assert picked == [CONFIGS[1]]
+    assert set(inner) == {CONFIGS[1]}

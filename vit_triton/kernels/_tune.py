@@ -113,7 +113,7 @@ class Tuner:
         self._timer = timer or graph_time
         self._source_hash = hashlib.sha256(source.encode()).hexdigest()[:16]
         self._picks: dict[tuple, Config] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()   # a launch being timed may pick for another key (linear's split rows)
 
     def pick(self, key: tuple, configs: Sequence[Config], launch: Callable[[Config], object],
              device: torch.device | None = None) -> Config:

@@ -334,29 +334,27 @@ def _precision(x, weight, allow_tf32: bool | None, tf32_input: bool) -> tuple[to
     return weight, dict(INPUT_PRECISION=precision, X_TF32=precision == "tf32" and tf32_input, W_TF32=w_tf32)
 
 
-def _tuned_launch(x, weight, bias, residual, out, scale: float, flags: dict) -> None:
-    """Launches the kernel with the fastest candidate config for this shape and these flags; where that
-    config's last wave would leave most SMs idle, the rows of its whole waves, then the rest with a
-    config tuned for them (whole_wave_rows)."""
-    config = _pick(x, weight, bias, residual, out, scale, flags)
-    rows = x.shape[0] if flags["SPLIT_K"] > 1 else whole_wave_rows(x.shape[0], weight.shape[0], config, x.device)
-    if rows == x.shape[0]:
-        return launch_linear(config, x, weight, bias, residual, out, scale, flags)
-    for part in (slice(0, rows), slice(rows, None)):
-        x_part, r_part, y_part = x[part], None if residual is None else residual[part], out[part]
-        part_flags = dict(flags, USE_TMA=tma_ready(x_part, weight, r_part, y_part))
-        part_config = config if part.start == 0 else _pick(x_part, weight, bias, r_part, y_part, scale, part_flags)
-        launch_linear(part_config, x_part, weight, bias, r_part, y_part, scale, part_flags)
-
-
-def _pick(x, weight, bias, residual, out, scale: float, flags: dict) -> Config:
-    """The fastest candidate config for this shape and these flags (timed on first sight)."""
-    def launch(config: Config) -> None:
-        launch_linear(config, x, weight, bias, residual, out, scale, flags)
-
+def _tuned_launch(x, weight, bias, residual, out, scale: float, flags: dict, split_waves: bool = True) -> None:
+    """Launches the kernel with the fastest candidate config for this shape and these flags. A config whose
+    last wave would leave most SMs idle runs (and is timed) as the rows of its whole waves, then the rest
+    with a config tuned for them alone (whole_wave_rows; split_waves=False for that rest)."""
     M, K = x.shape
-    key = (M, weight.shape[0], K, str(x.dtype), *flags.values())
-    return _TUNER.pick(key, _candidates(M, x.dtype), launch, x.device)
+    N = weight.shape[0]
+
+    def launch(config: Config) -> None:
+        rows = whole_wave_rows(M, N, config, x.device) if split_waves and flags["SPLIT_K"] == 1 else M
+        if rows == M:
+            return launch_linear(config, x, weight, bias, residual, out, scale, flags)
+        for part in (slice(0, rows), slice(rows, None)):
+            x_part, r_part, y_part = x[part], None if residual is None else residual[part], out[part]
+            part_flags = dict(flags, USE_TMA=tma_ready(x_part, weight, r_part, y_part))
+            if part.start == 0:
+                launch_linear(config, x_part, weight, bias, r_part, y_part, scale, part_flags)
+            else:
+                _tuned_launch(x_part, weight, bias, r_part, y_part, scale, part_flags, split_waves=False)
+
+    key = (M, N, K, str(x.dtype), *flags.values(), split_waves)
+    launch(_TUNER.pick(key, _candidates(M, x.dtype), launch, x.device))
 
 
 def whole_wave_rows(M: int, N: int, config: Config, device: torch.device) -> int:
