@@ -22,7 +22,8 @@ of tiles would leave most SMs idle runs as two launches: the rows of its whole w
 with a config tuned for them (whole_wave_rows).
 
 The launch config (tile, warps, stages, persistence) is chosen per shape by timing a short list of
-candidates (_tune.py), since the descriptors depend on it.
+candidates (_tune.py), since the descriptors depend on it; each candidate is timed as the launches it
+makes, split into two where whole_wave_rows splits it.
 
 float32 on tf32 tensor cores: operands are rounded to nearest tf32 as cuBLAS does, but not in the K
 loop where avoidable (tf32.py, benchmarks/NOTES.md 26, 29): W is read as a rounded copy kept with the
