@@ -342,17 +342,18 @@ def _tuned_launch(x, weight, bias, residual, out, scale: float, flags: dict, spl
     M, K = x.shape
     N = weight.shape[0]
 
+    def rows_of(part: slice) -> tuple:
+        """The arguments of a launch over these rows of x, residual and out."""
+        x_part, r_part, y_part = x[part], None if residual is None else residual[part], out[part]
+        part_flags = dict(flags, USE_TMA=tma_ready(x_part, weight, r_part, y_part))
+        return x_part, weight, bias, r_part, y_part, scale, part_flags
+
     def launch(config: Config) -> None:
         rows = whole_wave_rows(M, N, config, x.device) if split_waves and flags["SPLIT_K"] == 1 else M
         if rows == M:
             return launch_linear(config, x, weight, bias, residual, out, scale, flags)
-        for part in (slice(0, rows), slice(rows, None)):
-            x_part, r_part, y_part = x[part], None if residual is None else residual[part], out[part]
-            part_flags = dict(flags, USE_TMA=tma_ready(x_part, weight, r_part, y_part))
-            if part.start == 0:
-                launch_linear(config, x_part, weight, bias, r_part, y_part, scale, part_flags)
-            else:
-                _tuned_launch(x_part, weight, bias, r_part, y_part, scale, part_flags, split_waves=False)
+        launch_linear(config, *rows_of(slice(0, rows)))
+        _tuned_launch(*rows_of(slice(rows, None)), split_waves=False)
 
     key = (M, N, K, str(x.dtype), *flags.values(), split_waves)
     launch(_TUNER.pick(key, _candidates(M, x.dtype), launch, x.device))
