@@ -71,14 +71,14 @@ def compile_kernel(kernel, dtype: str, options: dict, constexprs: dict, descript
 
 
 def linear_case(name: str, dtype: str, config: Config, pdl: int = PDL_LATE, split_k: int = 1, **flags):
-    """linear with this launch config, prefetching its weights; USE_TMA passes x, w, r and y (but
-    split K's fp32 partial sums) as descriptors of its tiles."""
+    """linear with this launch config, prefetching its weights; USE_TMA passes x, w, r and y (but a
+    residual product's y and split K's fp32 partial sums) as descriptors of its tiles."""
     bm, bn, bk, warps, stages, _ = config
     constexprs = dict(dict(X_TF32=False, W_TF32=False, Y_TF32=False) | flags, PDL=pdl, PREFETCH=True, SPLIT_K=split_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8)
     descriptors = dict(x=(bm, bk), w=(bn, bk), r=(bm, bn), y=(bm, bn)) if flags["USE_TMA"] else None
     if descriptors and not flags["HAS_RESIDUAL"]:
         del descriptors["r"]
-    if descriptors and split_k > 1:
+    if descriptors and (split_k > 1 or flags["HAS_RESIDUAL"]):   # y through pointers
         del descriptors["y"]
     return name, _linear_kernel, dtype, {"num_warps": warps, "num_stages": stages}, constexprs, descriptors
 

@@ -15,7 +15,10 @@ Schedule: output tiles in grouped order; a persistent config launches one (or tw
 SM, each walking tiles pid, pid + grid, ... with the tile and K loops flattened, so the next
 tile's loads are in flight during this tile's epilogue. When every matrix is 16-byte aligned
 (base and row stride) tiles move through TMA descriptors, which zero-fill and clip at the edges;
-otherwise through masked pointer loads and stores. The descriptors are built on the host and
+otherwise through masked pointer loads and stores. A product with a residual stores y through pointers
+even then: the TMA store is asynchronous, so its output tile cannot reuse the shared memory of the
+residual tile, and without that second 64 KB a 128 x 256 tile has room for three stages of 64-deep
+steps (benchmarks/NOTES.md 51). The descriptors are built on the host and
 passed as kernel parameters: built in the kernel, each program spent 2-3 us on them before its
 first load, a third of a GEMM's time at one image (benchmarks/NOTES.md). A product whose last wave
 of tiles would leave most SMs idle runs as two launches: the rows of its whole waves, then the rest
@@ -88,8 +91,8 @@ def _activation(x, ACT: tl.constexpr):
     return x
 
 
-# 128 x 256 tiles beside a residual tile: at 3 stages of BLOCK_K = 64 (LARGE_M's first) they need 272 KiB of
-# shared memory, over Hopper's 227; at BLOCK_K = 32 and 4 stages they fit (benchmarks/NOTES.md 47).
+# 128 x 256 tiles in 4 stages of 32-deep steps: the residual GEMMs' pick before their y went through
+# pointers (benchmarks/NOTES.md 47, 51), still some shapes' pick since.
 WIDE_RESIDUAL = Config(128, 256, 32, 8, 4)
 # Candidates by dtype and row count, from sweeps on an H100 and an H200 at ViT-S/B/L shapes
 # (scripts/sweep_kernels.py, benchmarks/NOTES.md). Each list is short: every candidate of a new
@@ -106,7 +109,7 @@ TINY_M = [    # one or two images: 64-row tiles, narrow enough to give most SMs 
     Config(64, 128, 64, 4, 4), Config(64, 64, 128, 4, 4, 0), Config(64, 32, 128, 4, 4),
 ]
 FLOAT32 = [Config(128, 128, 32, 8, 3), Config(128, 128, 64, 8, 3), Config(128, 128, 32, 4, 4),
-           Config(64, 128, 32, 4, 4), Config(64, 64, 32, 4, 4, 0)]   # the second: no room for a residual tile
+           Config(64, 128, 32, 4, 4), Config(64, 64, 32, 4, 4, 0)]
 TINY_M_ROWS, SMALL_M_ROWS = 1024, 2048   # between 512 and 1024 rows both tiny and small tiles compete
 INTERPRETER = Config(32, 32, 32, 4, 1)
 PREFETCH_LINES = tl.constexpr(256)
@@ -207,10 +210,11 @@ def _linear_kernel(
             acc *= scale
         if Y_TF32:
             acc = to_tf32(acc)
-        if USE_TMA and SPLIT_K == 1:  # the store is clipped to [M, N]
+        if USE_TMA and SPLIT_K == 1 and not HAS_RESIDUAL:  # the store is clipped to [M, N]
             y.store([pid_m * BLOCK_M, pid_n * BLOCK_N], cast(acc, y.dtype))
         else:
-            # Split K: slice `split` of the partial sums is rows split*M... of y viewed as [SPLIT_K*M, N].
+            # A residual product's y (module docstring). Split K: slice `split` of the partial sums is rows
+            # split*M... of y viewed as [SPLIT_K*M, N].
             tl.store(y + (rows + split * M) * stride_ym + offs_n[None, :], cast(acc, y.dtype.element_ty), mask=mask)
 
 
@@ -384,7 +388,7 @@ def launch_linear(config: Config, x, weight, bias, residual, out, scale: float, 
         x_arg = TensorDescriptor.from_tensor(x, [bm, bk])
         w_arg = TensorDescriptor.from_tensor(weight, [bn, bk])
         r_arg = None if residual is None else TensorDescriptor.from_tensor(residual, [bm, bn])
-        y_arg = TensorDescriptor.from_tensor(out, [bm, bn]) if splits == 1 else out
+        y_arg = TensorDescriptor.from_tensor(out, [bm, bn]) if splits == 1 and residual is None else out
     else:
         x_arg, w_arg, r_arg, y_arg = x, weight, residual, out
     items = triton.cdiv(M, bm) * triton.cdiv(N, bn) * splits
