@@ -1,19 +1,14 @@
 """scripts/gpu_check.py's command line on a machine without a GPU: bad choices are named, and the check
 itself says it needs a CUDA device (it runs on the device: benchmarks/results/h100/gpu_check*)."""
 
-import subprocess
-import sys
-from pathlib import Path
+from functools import partial
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).parent.parent / "scripts" / "gpu_check.py"
+from tests.scripts import run_script
 
-
-def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
-                          cwd=SCRIPT.parent.parent)
+run = partial(run_script, "gpu_check.py")
 
 
 @pytest.mark.parametrize("args, message", [
