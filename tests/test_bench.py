@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from vit_triton.bench import harness, roofline
+from vit_triton.bench.power import Board
 from vit_triton.bench.numerics import tolerance
 from vit_triton.bench.systems import build_systems
 from vit_triton.cli import main
@@ -57,6 +58,54 @@ def test_bench_end_to_end(tmp_path):
     table = harness.format_table(result)
     assert "batch 2: vit-triton is 2.00x the best peer (timm)" in table
     assert "skipped vit-triton+cudagraph: CUDA graphs need a CUDA device" in table
+
+
+class FixedBoard:
+    """Stands in for power.Board where there is no NVML (the CPU): each sustained run calls the system once
+    (so the path executes) and reports the next readings, as fake_timer does for times."""
+    power_limit_w = 700.0
+
+    def __init__(self, readings):
+        self.readings = iter(readings)
+
+    def sustained(self, run, seconds=1.0):
+        run()
+        return next(self.readings)
+
+
+@on_the_cpu
+def test_bench_energy_columns(tmp_path):
+    reading = [dict(ms=2.2, joules=0.3, watts=690.0, sm_mhz=1470), dict(ms=3.1, joules=0.6, watts=695.0, sm_mhz=1700)]
+    result = harness.run_bench("tiny", CFG, [3], torch.float32, CPU, tmp_path, ("vit-triton", "timm"),
+                               timer=fake_timer([1.0, 1.0, 2.0, 3.0]), log=lambda s: None, board=FixedBoard(reading))
+    ours, peer = result["rows"]
+    assert ours["joules_per_image"] == pytest.approx(0.1) and peer["joules_per_image"] == pytest.approx(0.2)
+    assert (ours["sustained_ms"], ours["watts"], ours["sm_mhz"]) == (2.2, 690.0, 1470)
+    assert result["power_limit_w"] == 700.0
+    assert result["speedup"]["3"] == {"best_peer": "timm", "ours": "vit-triton", "speedup": 1.5,
+                                      "energy_ratio": pytest.approx(2.0)}
+    table = harness.format_table(result).splitlines()
+    assert table[0].split() == ["batch", "system", "ms", "images/s", "TFLOP/s", "MFU", "peak", "GiB", "mJ/image", "W",
+                                "SM", "MHz"]
+    assert table[2].split()[-3:] == ["100.00", "690", "1470"]
+    assert "batch 3: vit-triton is 1.50x the best peer (timm), which spends 2.00x its energy per image" in table
+    assert table[-1].endswith("; power limit 700 W")
+
+
+def test_energy_readings_need_a_cuda_device():
+    with pytest.raises(RuntimeError, match="energy readings need a CUDA device, got cpu"):
+        Board(CPU)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="NVML reads a GPU board")
+def test_board_reads_energy_and_clock_on_a_gpu():
+    board = Board(torch.device("cuda"))
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    spent = board.sustained(lambda: a @ a)
+    assert 0 < spent["ms"] < 100 and 100 < spent["sm_mhz"] < 3000
+    assert 30 < spent["watts"] <= 1.2 * board.power_limit_w
+    picojoules_per_flop = spent["joules"] / (2 * 4096 ** 3) * 1e12
+    assert 0.1 < picojoules_per_flop < 20   # an H100 spends about 1 pJ a bf16 FLOP (benchmarks/NOTES.md 54)
 
 
 @on_the_cpu
@@ -136,6 +185,8 @@ def test_bench_cli_without_gpu(capsys):
     out = capsys.readouterr().out
     assert "no CUDA device, so no timings" in out
     assert "model output against ViTForImageClassification (float64)" in out and "FAIL" not in out
+    with pytest.raises(SystemExit, match="--energy reads a GPU board's energy .* needs a CUDA device"):
+        main(["bench", "--energy"])
 
 
 def test_float32_tolerance_follows_the_matmul_precision():

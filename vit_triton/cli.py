@@ -66,6 +66,10 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--kernels", action="store_true",
                        help="time each kernel of one forward pass (at the largest batch size) against PyTorch "
                             "and place it on a roofline, with a per-kernel breakdown of one forward")
+    bench.add_argument("--energy", action="store_true",
+                       help="after each timing, run the system back to back for a second and report joules per "
+                            "image, mean board power and SM clock (NVML; needs nvidia-ml-py): at large batch the "
+                            "GPU runs at its power limit, where images/s is the limit over joules per image")
     bench.add_argument("--out", default="bench-results", help="output folder (default: %(default)s)")
     _add_classify_and_embed(sub)
     return parser
@@ -164,9 +168,12 @@ def _bench(args: argparse.Namespace) -> int:
     if args.dtype == "tf32":
         torch.set_float32_matmul_precision("high")
     dtype = _dtype("fp32" if args.dtype == "tf32" else args.dtype)
+    if args.energy and (args.kernels or not on_gpu):
+        raise SystemExit("vit-triton bench: --energy reads a GPU board's energy while the systems run: it needs a "
+                         "CUDA device, and applies to the systems' timings, not to --kernels")
     if not on_gpu:
         return _bench_without_gpu(dtype)
-    from .bench import harness, roofline, systems
+    from .bench import harness, power, roofline, systems
 
     names = tuple(args.systems.split(",")) if args.systems else systems.SYSTEMS
     unknown = set(names) - set(systems.SYSTEMS)
@@ -178,7 +185,9 @@ def _bench(args: argparse.Namespace) -> int:
         _, _, ours = systems.build_systems(cfg, dtype, device, ("vit-triton",))
         roofline.run_roofline(args.model, cfg, batch_sizes[-1], dtype, device, ours, out)
     else:
-        print(harness.format_table(harness.run_bench(args.model, cfg, batch_sizes, dtype, device, out, names)))
+        board = power.Board(device) if args.energy else None   # a missing NVML fails before anything runs
+        print(harness.format_table(harness.run_bench(args.model, cfg, batch_sizes, dtype, device, out, names,
+                                                     board=board)))
     print(f"results under {out}/")
     return 0
 

@@ -5,7 +5,9 @@ autotuning outside the timings), then timed with triton.testing.do_bench (median
 timings). Before any timing, vit-triton's output is checked against the reference model's with
 the DESIGN.md rule (float64 reference, 1.5x the reference's own error in 16-bit); a wrong answer
 ends the run. The matmul ceiling (an 8192^3 product through torch.matmul in the same dtype) and the
-copy bandwidth are measured in the same process, and MFU is against that ceiling.
+copy bandwidth are measured in the same process, and MFU is against that ceiling. Given the GPU's Board
+(power.py), each system then also runs back to back for a second while NVML reads the board's energy:
+joules per image, mean power and SM clock beside the times.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 from ..model.config import ViTConfig
 from .costs import model_flops
 from .numerics import rel_err, tolerance
+from .power import Board
 from .systems import SYSTEMS, build_systems, reference_output
 
 Timer = Callable[[Callable[[], object]], float]
@@ -79,7 +82,7 @@ def check_correctness(reference: torch.nn.Module, ours: torch.nn.Module, cfg: Vi
                 reference=type(reference).__name__)
 
 
-def _time_system(run, pixels: torch.Tensor, timer: Timer) -> dict:
+def _time_system(run, pixels: torch.Tensor, timer: Timer, board: Board | None = None) -> dict:
     with torch.inference_mode():
         run(pixels)                       # compile / autotune / capture, outside the timings
         torch.cuda.synchronize() if pixels.is_cuda else None
@@ -87,19 +90,26 @@ def _time_system(run, pixels: torch.Tensor, timer: Timer) -> dict:
             torch.cuda.reset_peak_memory_stats()
         ms = timer(lambda: run(pixels))
         peak = torch.cuda.max_memory_allocated() / 2 ** 30 if pixels.is_cuda else None
-    return dict(ms=ms, peak_mem_gib=peak)
+        if board is None:
+            return dict(ms=ms, peak_mem_gib=peak)
+        spent = board.sustained(lambda: run(pixels))
+    return dict(ms=ms, peak_mem_gib=peak, sustained_ms=spent["ms"], joules_per_image=spent["joules"] / len(pixels),
+                watts=spent["watts"], sm_mhz=spent["sm_mhz"])
 
 
 def run_bench(model_name: str, cfg: ViTConfig, batch_sizes: Sequence[int], dtype: torch.dtype,
               device: torch.device, out_dir: Path | None = None, systems: Sequence[str] = SYSTEMS,
-              timer: Timer = do_bench_median, log: Callable[[str], None] = print) -> dict:
-    """Time every system at every batch size; write bench.json (after each batch size) and a plot."""
+              timer: Timer = do_bench_median, log: Callable[[str], None] = print, board: Board | None = None) -> dict:
+    """Time every system at every batch size (and with a board, read its energy over a sustained run of each);
+    write bench.json (after each batch size) and a plot."""
     result = dict(model=model_name, config=cfg.to_dict(), dtype=str(dtype).removeprefix("torch."),
                   float32_matmul_precision=torch.get_float32_matmul_precision(),
                   flops_per_image=model_flops(cfg), environment=environment(device), rows=[], skipped={})
     # Full-size ceilings on a GPU; token sizes on the CPU, where only the harness itself is tested.
     on_gpu = device.type == "cuda"
     result["ceilings"] = measure_ceilings(dtype, device, timer, *((8192, 2 ** 30) if on_gpu else (64, 2 ** 20)))
+    if board is not None:
+        result["power_limit_w"] = board.power_limit_w
     log(f"ceilings: {result['ceilings']['matmul_tflops']:.0f} TFLOP/s matmul, "
         f"{result['ceilings']['copy_gbps']:.0f} GB/s copy")
     built, reference, ours = build_systems(cfg, dtype, device, tuple(systems))
@@ -116,7 +126,7 @@ def run_bench(model_name: str, cfg: ViTConfig, batch_sizes: Sequence[int], dtype
         for system in (s for s in built if s.run is not None):
             row = dict(system=system.name, batch=batch)
             try:
-                row.update(_time_system(system.run, pixels, timer))
+                row.update(_time_system(system.run, pixels, timer, board))
             except Exception as e:  # a peer that fails (e.g. out of memory) is recorded, not fatal
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
                 log(f"  {system.name} at batch {batch}: {row['error']}")
@@ -125,7 +135,8 @@ def run_bench(model_name: str, cfg: ViTConfig, batch_sizes: Sequence[int], dtype
                 row.update(images_per_s=batch / row["ms"] * 1e3, tflops=flops / row["ms"] / 1e9)
                 row["mfu"] = row["tflops"] / result["ceilings"]["matmul_tflops"]
                 log(f"  batch {batch:4d}  {system.name:38s} {row['ms']:9.3f} ms  {row['images_per_s']:9.0f} img/s"
-                    f"  {row['tflops']:6.1f} TFLOP/s")
+                    f"  {row['tflops']:6.1f} TFLOP/s" + (f"  {1000 * row['joules_per_image']:8.2f} mJ/img  "
+                                                        f"{row['watts']:4.0f} W" if board else ""))
             result["rows"].append(row)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -140,7 +151,8 @@ def run_bench(model_name: str, cfg: ViTConfig, batch_sizes: Sequence[int], dtype
 
 
 def speedups(rows: Sequence[dict]) -> dict[str, dict]:
-    """Per batch size: the best peer's time over vit-triton's fastest (eager or graphed), naming both."""
+    """Per batch size: the best peer's time over vit-triton's fastest (eager or graphed), naming both; with
+    energy readings, also the same peer's joules per image over ours (energy_ratio)."""
     out = {}
     for batch in sorted({r["batch"] for r in rows}):
         timed = [r for r in rows if r["batch"] == batch and "ms" in r]
@@ -149,6 +161,8 @@ def speedups(rows: Sequence[dict]) -> dict[str, dict]:
         if ours and peers:
             best, fastest = min(peers, key=lambda r: r["ms"]), min(ours, key=lambda r: r["ms"])
             out[str(batch)] = dict(best_peer=best["system"], ours=fastest["system"], speedup=best["ms"] / fastest["ms"])
+            if "joules_per_image" in best and "joules_per_image" in fastest:
+                out[str(batch)]["energy_ratio"] = best["joules_per_image"] / fastest["joules_per_image"]
     return out
 
 
@@ -163,24 +177,33 @@ def _write(result: dict, out_dir: Path | None) -> None:
 
 
 def format_table(result: dict) -> str:
-    """Median ms, images/s, TFLOP/s, MFU and peak memory per system and batch; speed-up per batch."""
+    """Median ms, images/s, TFLOP/s, MFU and peak memory per system and batch (with energy readings: mJ per
+    image, mean W and SM MHz over the sustained run); speed-up per batch."""
+    energy = "power_limit_w" in result
     head = ("batch", "system", "ms", "images/s", "TFLOP/s", "MFU", "peak GiB")
+    head += ("mJ/image", "W", "SM MHz") if energy else ()
     rows = [head]
     for r in result["rows"]:
         if "ms" in r:
             peak = "" if r["peak_mem_gib"] is None else f"{r['peak_mem_gib']:.2f}"
-            rows.append((str(r["batch"]), r["system"], f"{r['ms']:.3f}", f"{r['images_per_s']:.0f}",
-                         f"{r['tflops']:.1f}", f"{r['mfu']:.1%}", peak))
+            row = (str(r["batch"]), r["system"], f"{r['ms']:.3f}", f"{r['images_per_s']:.0f}", f"{r['tflops']:.1f}",
+                   f"{r['mfu']:.1%}", peak)
+            row += (f"{1000 * r['joules_per_image']:.2f}", f"{r['watts']:.0f}", f"{r['sm_mhz']:.0f}") if energy else ()
+            rows.append(row)
         else:
-            rows.append((str(r["batch"]), r["system"], "error", r["error"][:60], "", "", ""))
+            rows.append((str(r["batch"]), r["system"], "error", r["error"][:60]) + ("",) * (len(head) - 4))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     for name, note in result["skipped"].items():
         lines.append(f"skipped {name}: {note}")
     for batch, s in result.get("speedup", {}).items():
-        lines.append(f"batch {batch}: {s['ours']} is {s['speedup']:.2f}x the best peer ({s['best_peer']})")
+        line = f"batch {batch}: {s['ours']} is {s['speedup']:.2f}x the best peer ({s['best_peer']})"
+        if "energy_ratio" in s:
+            line += f", which spends {s['energy_ratio']:.2f}x its energy per image"
+        lines.append(line)
     env, ceil = result["environment"], result["ceilings"]
     lines.append(f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}; ceilings "
-                 f"{ceil['matmul_tflops']:.0f} TFLOP/s ({result['dtype']} matmul), {ceil['copy_gbps']:.0f} GB/s copy")
+                 f"{ceil['matmul_tflops']:.0f} TFLOP/s ({result['dtype']} matmul), {ceil['copy_gbps']:.0f} GB/s copy"
+                 + (f"; power limit {result['power_limit_w']:.0f} W" if energy else ""))
     return "\n".join(lines)
