@@ -68,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
                             "and place it on a roofline, with a per-kernel breakdown of one forward")
     bench.add_argument("--energy", action="store_true",
                        help="after each timing, run the system back to back for a second and report joules per "
-                            "image, mean board power and SM clock (NVML; needs nvidia-ml-py): at large batch the "
+                            "image, mean board power and SM clock (from NVML): at large batch the "
                             "GPU runs at its power limit, where images/s is the limit over joules per image")
     bench.add_argument("--out", default="bench-results", help="output folder (default: %(default)s)")
     _add_classify_and_embed(sub)
