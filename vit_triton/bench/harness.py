@@ -90,11 +90,12 @@ def _time_system(run, pixels: torch.Tensor, timer: Timer, board: Board | None = 
             torch.cuda.reset_peak_memory_stats()
         ms = timer(lambda: run(pixels))
         peak = torch.cuda.max_memory_allocated() / 2 ** 30 if pixels.is_cuda else None
-        if board is None:
-            return dict(ms=ms, peak_mem_gib=peak)
-        spent = board.sustained(lambda: run(pixels))
-    return dict(ms=ms, peak_mem_gib=peak, sustained_ms=spent["ms"], joules_per_image=spent["joules"] / len(pixels),
-                watts=spent["watts"], sm_mhz=spent["sm_mhz"])
+        row = dict(ms=ms, peak_mem_gib=peak)
+        if board is not None:
+            spent = board.sustained(lambda: run(pixels))
+            row.update(sustained_ms=spent["ms"], joules_per_image=spent["joules"] / len(pixels), watts=spent["watts"],
+                       sm_mhz=spent["sm_mhz"])
+    return row
 
 
 def run_bench(model_name: str, cfg: ViTConfig, batch_sizes: Sequence[int], dtype: torch.dtype,
