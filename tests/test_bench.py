@@ -2,6 +2,7 @@
 
 import itertools
 import json
+import time
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from vit_triton.bench.numerics import tolerance
 from vit_triton.bench.systems import build_systems
 from vit_triton.cli import main
 from vit_triton.kernels._common import INTERPRET
+from vit_triton.kernels._tune import repeated
 from vit_triton.model import PRESETS
 
 CFG = PRESETS["tiny"]
@@ -101,10 +103,13 @@ def test_energy_readings_need_a_cuda_device():
 def test_board_reads_energy_and_clock_on_a_gpu():
     board = Board(torch.device("cuda"))
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-    spent = board.sustained(lambda: a @ a)
+    replay, calls = repeated(lambda: a @ a, budget_ms=20.0)   # graph replays of ~20 ms, as --kernels --energy runs
+    began = time.perf_counter()
+    spent = board.sustained(replay, seconds=1.0)
+    assert time.perf_counter() - began < 1.5
     assert 0 < spent["ms"] < 100 and 100 < spent["sm_mhz"] < 3000
     assert 30 < spent["watts"] <= 1.2 * board.power_limit_w
-    picojoules_per_flop = spent["joules"] / (2 * 4096 ** 3) * 1e12
+    picojoules_per_flop = spent["joules"] / (calls * 2 * 4096 ** 3) * 1e12
     assert 0.1 < picojoules_per_flop < 20   # an H100 spends about 1 pJ a bf16 FLOP (benchmarks/NOTES.md 54)
 
 
@@ -164,8 +169,8 @@ def test_roofline_rows(tmp_path):
     # Ceilings of about 500 TFLOP/s (64^3 matmul) and 2 TB/s (1 MiB copy): the ridge sits at 250 FLOP/byte.
     ceiling_ms = [2 * 64 ** 3 / 5e14 * 1e3, 2 * 2 ** 20 / 2e12 * 1e3]
     result = roofline.run_roofline("tiny", cfg, 2, torch.float32, CPU, ours, tmp_path,
-                                   timer=fake_timer(itertools.chain(ceiling_ms, itertools.repeat(1e-3))),
-                                   log=lambda s: None)
+                                   timer=fake_timer(itertools.repeat(1e-3)), log=lambda s: None,
+                                   ceiling_timer=fake_timer(ceiling_ms))
     assert (tmp_path / "roofline.png").stat().st_size > 1000
     assert json.loads((tmp_path / "roofline.json").read_text())["kernels"] == json.loads(
         json.dumps(result["kernels"]))
@@ -177,6 +182,44 @@ def test_roofline_rows(tmp_path):
         assert r["bound"] == ("compute" if r["intensity"] > ridge else "memory")
         assert r["ours_tflops"] == pytest.approx(r["flops"] / 1e-3 / 1e12 * 1e3)
     assert rows["layer_norm"]["count"] == 2 * cfg.depth and rows["layer_norm"]["bound"] == "memory"
+
+
+@on_the_cpu
+def test_roofline_energy_columns(tmp_path):
+    cfg = PRESETS["tiny"]
+    _, _, ours = build_systems(cfg, torch.float32, CPU, ("vit-triton",))
+    # The ceilings' sustained runs: 2 pJ a FLOP for the 64^3 product, 10 pJ a byte for the 1 MiB copy read and
+    # written; then each kernel, ours at 3 mJ a call and 600 W, PyTorch's at 5 mJ.
+    ceilings = [dict(ms=1.0, joules=2e-12 * 2 * 64 ** 3, watts=700.0, sm_mhz=1500),
+                dict(ms=1.0, joules=10e-12 * 2 * 2 ** 20, watts=650.0, sm_mhz=1900)]
+    kernels = itertools.cycle([dict(ms=1.0, joules=3e-3, watts=600.0, sm_mhz=1600),
+                               dict(ms=1.0, joules=5e-3, watts=500.0, sm_mhz=1800)])
+    result = roofline.run_roofline("tiny", cfg, 3, torch.float32, CPU, ours, tmp_path,
+                                   timer=fake_timer(itertools.repeat(1e-3)), log=lambda s: None,
+                                   board=FixedBoard(itertools.chain(ceilings, kernels)),
+                                   ceiling_timer=fake_timer([1.0, 1.0]))
+    assert result["power_limit_w"] == 700.0
+    assert result["energy"] == {"pj_per_flop": pytest.approx(2.0), "pj_per_byte": pytest.approx(10.0),
+                                "matmul_watts": 700.0, "copy_watts": 650.0}
+    for r in result["kernels"]:
+        assert (r["ours_mj"], r["ours_watts"], r["ours_sm_mhz"]) == (pytest.approx(3.0), 600.0, 1600)
+        assert (r["torch_mj"], r["torch_watts"], r["torch_sm_mhz"]) == (pytest.approx(5.0), 500.0, 1800)
+        assert r["floor_mj"] == pytest.approx(max(2e-9 * r["flops"], 10e-9 * r["bytes"]))
+    qkv = next(r for r in result["kernels"] if r["name"] == "linear qkv")
+    assert qkv["floor_mj"] == pytest.approx(2e-9 * qkv["flops"])        # a product: its FLOPs set the floor
+    norm = next(r for r in result["kernels"] if r["name"] == "layer_norm")
+    assert norm["floor_mj"] == pytest.approx(10e-9 * norm["bytes"])     # a row kernel: its bytes do
+    launches = sum(r["count"] for r in result["kernels"])
+    floor = sum(r["count"] * r["floor_mj"] for r in result["kernels"]) / 3
+    assert roofline.forward_energy(result) == {"ours": pytest.approx(3.0 * launches / 3),
+                                               "torch": pytest.approx(5.0 * launches / 3), "floor": pytest.approx(floor)}
+    table = roofline.format_roofline(result).splitlines()
+    assert table[0].split()[-9:] == ["ours", "mJ", "W", "SM", "MHz", "torch", "mJ", "floor", "mJ"]
+    assert table[2].split()[-5:] == ["3.00", "600", "1600", "5.00", f"{result['kernels'][0]['floor_mj']:.2f}"]
+    assert table[-1] == (f"energy of one forward's kernels, each run alone for a second: ours {launches:.2f} mJ per "
+                         f"image, PyTorch's {5 * launches / 3:.2f}, floor {floor:.2f} (the n^3 product 2.00 pJ/FLOP at "
+                         f"700 W, the copy 10.0 pJ/byte at 650 W; power limit 700 W)")
+    assert json.loads((tmp_path / "roofline.json").read_text())["energy"] == json.loads(json.dumps(result["energy"]))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device: the CLI would time")

@@ -9,7 +9,7 @@ import torch
 import vit_triton
 from tests.kernels.checks import tf32_matmuls
 from tests.numerics import DEVICE
-from vit_triton.kernels._tune import capture_stream, graph_time
+from vit_triton.kernels._tune import capture_stream, graph_time, repeated
 from vit_triton.model import PRESETS, ViT
 from vit_triton.runtime import CUDAGraphRunner
 
@@ -121,6 +121,18 @@ def test_timing_beside_a_thread_that_copies_on_a_stream_of_its_own():
     with CopyingThread():
         for _ in range(400):
             assert graph_time(lambda: x.add_(1), budget_ms=0.05, samples=1) > 0
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a CUDA device")
+def test_repeated_replays_as_many_calls_as_it_says():
+    x = torch.zeros(1 << 20, device=DEVICE)   # a few microseconds a call: hundreds of calls in 20 ms
+    replay, calls = repeated(lambda: x.add_(1), budget_ms=20.0)
+    assert 20 < calls <= 1000
+    before = x[0].item()   # graph_time's calls, outside the graph
+    replay()
+    replay()
+    torch.cuda.synchronize()
+    assert x[0].item() - before == 2 * calls
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a CUDA device")

@@ -39,15 +39,20 @@ def do_bench_median(fn: Callable[[], object]) -> float:
     return triton.testing.do_bench(fn, warmup=100, rep=400, return_mode="median")
 
 
+def ceiling_runs(dtype: torch.dtype, device: torch.device, n: int = 8192,
+                 copy_bytes: int = 2 ** 30) -> tuple[tuple[Callable[[], object], int], tuple[Callable[[], object], int]]:
+    """The two ceilings' workloads: (an n^3 product in `dtype`, its FLOPs), (a copy, the bytes it reads and writes)."""
+    a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+    src = torch.empty(copy_bytes // 4, device=device).normal_()
+    dst = torch.empty_like(src)
+    return (lambda: torch.matmul(a, b), 2 * n ** 3), (lambda: dst.copy_(src), 2 * copy_bytes)
+
+
 def measure_ceilings(dtype: torch.dtype, device: torch.device, timer: Timer = do_bench_median,
                      n: int = 8192, copy_bytes: int = 2 ** 30) -> dict:
     """The matmul rate (TFLOP/s, n^3 in `dtype`) and copy bandwidth (GB/s, bytes read + written)."""
-    a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
-    mm_ms = timer(lambda: torch.matmul(a, b))
-    src = torch.empty(copy_bytes // 4, device=device).normal_()
-    dst = torch.empty_like(src)
-    copy_ms = timer(lambda: dst.copy_(src))
-    return dict(matmul_tflops=2 * n ** 3 / mm_ms / 1e9, copy_gbps=2 * copy_bytes / copy_ms / 1e6)
+    (matmul, flops), (copy, moved) = ceiling_runs(dtype, device, n, copy_bytes)
+    return dict(matmul_tflops=flops / timer(matmul) / 1e9, copy_gbps=moved / timer(copy) / 1e6)
 
 
 def environment(device: torch.device) -> dict:

@@ -11,12 +11,15 @@ millisecond and the SM clock every ten.
 
 from __future__ import annotations
 
+import collections
 import statistics
 import threading
 import time
 from collections.abc import Callable
 
 import torch
+
+QUEUED_CALLS = 3
 
 
 class Board:
@@ -51,7 +54,9 @@ class Board:
 
         The driver advances the energy counter in steps (100 ms apart on an H100), so a difference of two
         reads over a second would be off by up to a tenth. A thread polls the counter every millisecond, and
-        the power is the slope between the first and the last step seen during the run."""
+        the power is the slope between the first and the last step seen during the run. At most QUEUED_CALLS
+        calls wait on the GPU, so the run ends about `seconds` after it starts, however deep the driver's
+        launch queue."""
         steps, clocks, done = [], [], threading.Event()
 
         def sample() -> None:
@@ -67,10 +72,14 @@ class Board:
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
         torch.cuda.synchronize()
-        calls, start = 0, time.perf_counter()
+        calls, start, queued = 0, time.perf_counter(), collections.deque()
         while time.perf_counter() - start < seconds:
             run()
             calls += 1
+            queued.append(torch.cuda.Event())
+            queued[-1].record()
+            if len(queued) > QUEUED_CALLS:
+                queued.popleft().synchronize()
         torch.cuda.synchronize()
         end = time.perf_counter()
         done.set()

@@ -72,19 +72,26 @@ def capture_stream(device: torch.device | None = None) -> torch.cuda.Stream:
     return streams[index]
 
 
+def captured(fn: Callable[[], object], calls: int) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `calls` back-to-back calls of fn, captured in thread-local mode on the thread's
+    capture_stream (fn compiled and its inputs ready beforehand: graph_time and repeated do both)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=capture_stream(), capture_error_mode="thread_local"):
+        for _ in range(calls):
+            fn()
+    return graph
+
+
 def graph_time(fn: Callable[[], object], budget_ms: float = 2.0, samples: int = 5) -> float:
     """fn's GPU time in ms: the median of `samples` replays of a CUDA graph holding as many calls of fn
-    as fit in about budget_ms, captured in thread-local mode on the thread's capture_stream."""
+    as fit in about budget_ms (captured)."""
     stream = capture_stream()
     stream.wait_stream(torch.cuda.current_stream())   # fn's inputs, written on the current stream
     with torch.cuda.stream(stream):
         fn()   # compiles, outside the capture
 
         def replay_ms(calls: int) -> float:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
-                for _ in range(calls):
-                    fn()
+            graph = captured(fn, calls)
             graph.replay()
             times = []
             for _ in range(samples):
@@ -98,6 +105,16 @@ def graph_time(fn: Callable[[], object], budget_ms: float = 2.0, samples: int = 
 
         once = replay_ms(1)
         return replay_ms(max(1, min(1000, int(budget_ms / max(once, 1e-3)))))
+
+
+def repeated(fn: Callable[[], object], budget_ms: float = 20.0) -> tuple[Callable[[], object], int]:
+    """(replay, calls): a CUDA graph of as many calls of fn as take about budget_ms, and how many. A host
+    loop of microsecond kernels leaves the GPU idle between launches; replays of this graph keep it busy,
+    as a CUDA-graphed forward does."""
+    calls = max(1, min(1000, int(budget_ms / max(graph_time(fn), 1e-3))))
+    graph = captured(fn, calls)
+    torch.cuda.synchronize()
+    return graph.replay, calls
 
 
 def cache_dir() -> Path:
