@@ -88,6 +88,37 @@ def test_activation_over_its_range(act):
     torch.testing.assert_close(out.double(), TORCH_ACTIVATIONS[act](x.double()), atol=1e-6, rtol=4e-6)
 
 
+# The one-tanh forms of 16-bit outputs: exact GELU's fit is within 2.72e-4 of it; the other two are exact
+# forms (the GPU's tanh is within 1e-5 of tanh). The rest is y's rounding, at most half an ulp.
+ROUNDED_FIT_ERROR = {"gelu": 2.72e-4, "gelu_tanh": 1e-5, "quick_gelu": 1e-5}
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in multiply:RuntimeWarning")   # x * x at 1e38
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("act", ACTIVATIONS[1:])
+def test_rounded_activation_over_its_range(dtype, act):
+    # y = x @ I, x exact in 16 bits: every activation at 16 * 997 points of [-12, 12] (and +-65504 in fp16, 1e38 in
+    # bf16: no overflow inside), held to float64 PyTorch within the fit's error plus half an ulp of y.
+    big = 65504.0 if dtype == torch.float16 else 1e38
+    x = torch.cat([torch.linspace(-12, 12, 997 * 16 - 2), torch.tensor([big, -big])]).to(DEVICE, dtype).view(997, 16)
+    out = linear(x, torch.eye(16, device=DEVICE, dtype=dtype), activation=act).double()
+    ref = TORCH_ACTIVATIONS[act](x.double())
+    half_ulp = torch.finfo(dtype).eps / 2   # relative
+    excess = (out - ref).abs() - ROUNDED_FIT_ERROR[act] * (1 + half_ulp) - half_ulp * ref.abs()
+    assert excess.max() <= 0, f"{act} off by {excess.max():.2e} more than allowed at x = {x.flatten()[excess.argmax()]}"
+
+
+@pytest.mark.parametrize("rounded", [False, True], ids=["two-sfu", "one-tanh"])
+def test_rounded_activation_only_for_16_bit_outputs(rounded, monkeypatch):
+    # The fit is the 16-bit outputs' alone: with the one-tanh form off, bf16 GELU is the erf form's to the bit of
+    # float32 rounded once, and differs from it where the fit's error crosses a rounding boundary.
+    x = torch.linspace(-6, 6, 4096, device=DEVICE).view(256, 16).to(torch.bfloat16)
+    precise = linear(x.float(), torch.eye(16, device=DEVICE), activation="gelu", allow_tf32=False).to(torch.bfloat16)
+    monkeypatch.setattr(LINEAR, "ROUNDED_ACTIVATION_DTYPES", (torch.bfloat16,) if rounded else ())
+    out = linear(x, torch.eye(16, device=DEVICE, dtype=torch.bfloat16), activation="gelu")
+    assert torch.equal(out, precise) != rounded
+
+
 @each_dtype
 def test_output_scale_applies_after_the_residual(dtype):
     x, w, b, r = inputs(29, 40, 33, dtype)
