@@ -88,9 +88,11 @@ def test_activation_over_its_range(act):
     torch.testing.assert_close(out.double(), TORCH_ACTIVATIONS[act](x.double()), atol=1e-6, rtol=4e-6)
 
 
-# The one-tanh forms of 16-bit outputs: exact GELU's fit is within 2.72e-4 of it; the other two are exact
-# forms (the GPU's tanh is within 1e-5 of tanh). The rest is y's rounding, at most half an ulp.
-ROUNDED_FIT_ERROR = {"gelu": 2.72e-4, "gelu_tanh": 1e-5, "quick_gelu": 1e-5}
+# The one-tanh forms of 16-bit outputs, h + h tanh(u), h = x / 2: exact GELU's fit is within 2.72e-4 of it, the
+# other two are exact forms. On a GPU the tanh is within 1e-5 of tanh (relative; 9.9e-6 measured on an H100), so
+# the result within 1e-5 |h| more. The rest is y's rounding, at most half an ulp.
+ROUNDED_FIT_ERROR = {"gelu": 2.72e-4, "gelu_tanh": 0.0, "quick_gelu": 0.0}
+TANH_ERROR = 1e-5
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in multiply:RuntimeWarning")   # x * x at 1e38
@@ -98,13 +100,14 @@ ROUNDED_FIT_ERROR = {"gelu": 2.72e-4, "gelu_tanh": 1e-5, "quick_gelu": 1e-5}
 @pytest.mark.parametrize("act", ACTIVATIONS[1:])
 def test_rounded_activation_over_its_range(dtype, act):
     # y = x @ I, x exact in 16 bits: every activation at 16 * 997 points of [-12, 12] (and +-65504 in fp16, 1e38 in
-    # bf16: no overflow inside), held to float64 PyTorch within the fit's error plus half an ulp of y.
+    # bf16: no overflow inside), held to float64 PyTorch within the fit's and the tanh's error plus half an ulp of y.
     big = 65504.0 if dtype == torch.float16 else 1e38
     x = torch.cat([torch.linspace(-12, 12, 997 * 16 - 2), torch.tensor([big, -big])]).to(DEVICE, dtype).view(997, 16)
     out = linear(x, torch.eye(16, device=DEVICE, dtype=dtype), activation=act).double()
     ref = TORCH_ACTIVATIONS[act](x.double())
     half_ulp = torch.finfo(dtype).eps / 2   # relative
-    excess = (out - ref).abs() - ROUNDED_FIT_ERROR[act] * (1 + half_ulp) - half_ulp * ref.abs()
+    allowed = (ROUNDED_FIT_ERROR[act] + TANH_ERROR * x.double().abs() / 2) * (1 + half_ulp) + half_ulp * ref.abs()
+    excess = (out - ref).abs() - allowed
     assert excess.max() <= 0, f"{act} off by {excess.max():.2e} more than allowed at x = {x.flatten()[excess.argmax()]}"
 
 
