@@ -74,7 +74,7 @@ def linear_case(name: str, dtype: str, config: Config, pdl: int = PDL_LATE, spli
     """linear with this launch config, prefetching its weights; USE_TMA passes x, w, r and y (but a
     residual product's y and split K's fp32 partial sums) as descriptors of its tiles."""
     bm, bn, bk, warps, stages, _ = config
-    defaults = dict(X_TF32=False, W_TF32=False, Y_TF32=False, ROUNDED_16=dtype in ("bf16", "fp16"))
+    defaults = dict(X_TF32=False, W_TF32=False, Y_TF32=False, ONE_TANH=dtype == "bf16")
     constexprs = dict(defaults | flags, PDL=pdl, PREFETCH=True, SPLIT_K=split_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8)
     descriptors = dict(x=(bm, bk), w=(bn, bk), r=(bm, bn), y=(bm, bn)) if flags["USE_TMA"] else None
     if descriptors and not flags["HAS_RESIDUAL"]:

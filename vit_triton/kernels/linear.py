@@ -68,24 +68,23 @@ _MINUS_HALF_LOG2E = tl.constexpr(-0.5 * LOG2E)                # exp(-z^2) = 2^(-
 _GELU_TANH_A = tl.constexpr(-2.0 * 0.7978845608028654 * LOG2E)  # exp(-2u) = 2^(x (A + B x^2))
 _GELU_TANH_B = tl.constexpr(-2.0 * 0.7978845608028654 * 0.044715 * LOG2E)
 _QUICK_GELU_A = tl.constexpr(-1.702 * LOG2E)
-# ROUNDED_16's forms: u(x) in h + h tanh(u(x)), h = x / 2. Exact GELU's u is the odd quadratic whose tanh is
+# ONE_TANH's forms: u(x) in h + h tanh(u(x)), h = x / 2. Exact GELU's u is the odd quadratic whose tanh is
 # closest to erf(x / sqrt(2)) (a minimax fit, benchmarks/NOTES.md 58): within 2.72e-4 of x Phi(x) everywhere.
 _GELU_FIT_A, _GELU_FIT_B = tl.constexpr(0.8001587525878255), tl.constexpr(0.034701480458530345)
 _GELU_TANH_U, _GELU_TANH_U3 = tl.constexpr(0.7978845608028654), tl.constexpr(0.7978845608028654 * 0.044715)
 _QUICK_GELU_U = tl.constexpr(0.5 * 1.702)   # sigmoid(1.702 x) = (1 + tanh(0.851 x)) / 2
-# Outputs of these dtypes take the activation's one-SFU form (ROUNDED_16).
-ROUNDED_ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)
+# Outputs whose rounding hides that fit: bf16's half ulp is 2e-3 at 1, fp16's 2.4e-4 is not (NOTES 58).
+ONE_TANH_DTYPES = (torch.bfloat16,)
 
 
 @triton.jit
-def _activation(x, ACT: tl.constexpr, ROUNDED_16: tl.constexpr):
+def _activation(x, ACT: tl.constexpr, ONE_TANH: tl.constexpr):
     """The activation on fp32 x, from single SFU instructions and FMAs: evaluated once an element while no
     MMA runs, so each instruction shows at K = 768 (benchmarks/NOTES.md 13, 52, 58).
 
-    ROUNDED_16 (y is bf16 or fp16): h + h tanh(u(x)), one SFU instruction an element where the forms below
-    take two. Relative Frobenius error of fc1 + GELU on an H100: 0.64-0.67x PyTorch's in bf16, 1.27-1.28x
-    in fp16, where the fit's 2.7e-4 is about half fp16's rounding at 1 (the rule allows 1.5x)."""
-    if ROUNDED_16 and ACT != "none":
+    ONE_TANH (y is bf16): h + h tanh(u(x)), one SFU instruction an element where the forms below take two.
+    fc1 + GELU's relative Frobenius error on an H100: 0.64-0.67x PyTorch's, against 0.62-0.66x below."""
+    if ONE_TANH and ACT != "none":
         if ACT == "gelu":
             u = x * (_GELU_FIT_A + _GELU_FIT_B * x * x)
         elif ACT == "gelu_tanh":
@@ -163,7 +162,7 @@ def _linear_kernel(
     w_ptr,               # W's first element, for the prefetch
     M, N, K,
     stride_xm, stride_wn, stride_rm, stride_ym, scale,
-    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, ROUNDED_16: tl.constexpr,   # _activation's
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, ONE_TANH: tl.constexpr,   # _activation's
     HAS_RESIDUAL: tl.constexpr, HAS_SCALE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, X_TF32: tl.constexpr, W_TF32: tl.constexpr,   # x, W hold tf32 values already
     Y_TF32: tl.constexpr,   # y is stored rounded to tf32
@@ -219,7 +218,7 @@ def _linear_kernel(
             start_next_kernel(PDL)
         if HAS_BIAS:  # once: slice 0 adds it
             acc += tl.load(b_ptr + offs_n, mask=mask_n & (split == 0), other=0.0).to(tl.float32)[None, :]
-        acc = _activation(acc, ACT, ROUNDED_16)
+        acc = _activation(acc, ACT, ONE_TANH)
         mask = mask_m[:, None] & mask_n[None, :]
         rows = offs_m[:, None].to(tl.int64)
         if HAS_RESIDUAL:
@@ -282,8 +281,8 @@ def linear(
 ) -> torch.Tensor:
     """y = scale * (activation(x @ weight.T + bias) + residual) for 2-D x [M, K] and weight [N, K].
 
-    activation: "none", "gelu" (exact erf), "gelu_tanh" or "quick_gelu" (x * sigmoid(1.702 x)); a bf16 or fp16
-    y gets them from one tanh an element, to within its rounding (_activation).
+    activation: "none", "gelu" (exact erf), "gelu_tanh" or "quick_gelu" (x * sigmoid(1.702 x)); a bf16 y gets
+    them from one tanh an element, to within its rounding (_activation).
     allow_tf32: for float32 inputs; None follows torch.get_float32_matmul_precision().
     tf32_input, tf32_output: see tf32.py; they act only where the matmuls run on tf32.
     out must not alias x or residual.
@@ -301,7 +300,7 @@ def linear(
     if out is None:
         out = torch.empty((M, N), device=x.device, dtype=x.dtype)
     weight, precision = _precision(x, weight, allow_tf32, tf32_input)
-    flags = dict(HAS_BIAS=bias is not None, ACT=activation, ROUNDED_16=x.dtype in ROUNDED_ACTIVATION_DTYPES,
+    flags = dict(HAS_BIAS=bias is not None, ACT=activation, ONE_TANH=x.dtype in ONE_TANH_DTYPES,
                  HAS_RESIDUAL=residual is not None,
                  HAS_SCALE=scale != 1.0, **precision, Y_TF32=precision["INPUT_PRECISION"] == "tf32" and tf32_output,
                  USE_TMA=tma_ready(x, weight, residual, out), SPLIT_K=1)
@@ -327,7 +326,7 @@ def linear_partials(
     M, N = x.shape[0], weight.shape[0]
     parts = torch.empty((splits * M, N), device=x.device, dtype=torch.float32)   # the slices one above the other
     weight, precision = _precision(x, weight, allow_tf32, tf32_input)
-    flags = dict(HAS_BIAS=bias is not None, ACT="none", ROUNDED_16=False, HAS_RESIDUAL=False, HAS_SCALE=False,
+    flags = dict(HAS_BIAS=bias is not None, ACT="none", ONE_TANH=False, HAS_RESIDUAL=False, HAS_SCALE=False,
                  **precision, Y_TF32=False, USE_TMA=tma_ready(x, weight, parts), SPLIT_K=splits)
     _tuned_launch(x, weight, bias, None, parts, 1.0, flags)
     return parts.view(splits, M, N)
