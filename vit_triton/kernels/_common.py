@@ -115,7 +115,8 @@ def tanh(x):
     exp2 and a reciprocal. Exact under the interpreter: (1 - e) / (1 + e) with e = e^-2|x| in fp64."""
     if _INTERPRET:
         e = tl.exp(-2.0 * tl.abs(x.to(tl.float64)))
-        y = tl.where(x < 0, (e - 1.0) / (1.0 + e), (1.0 - e) / (1.0 + e)).to(tl.float32)
+        t = (1.0 - e) / (1.0 + e)
+        y = tl.where(x < 0, -t, t).to(tl.float32)
     else:
         y = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
                                       pack=1)

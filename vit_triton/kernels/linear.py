@@ -65,14 +65,16 @@ ACTIVATIONS = ("none", "gelu", "gelu_tanh", "quick_gelu")
 
 _GELU_P = tl.constexpr(0.3275911 * 0.7071067811865476)       # A&S p, times 1/sqrt(2) for z = |x|/sqrt(2)
 _MINUS_HALF_LOG2E = tl.constexpr(-0.5 * LOG2E)                # exp(-z^2) = 2^(-x^2 log2(e) / 2)
-_GELU_TANH_A = tl.constexpr(-2.0 * 0.7978845608028654 * LOG2E)  # exp(-2u) = 2^(x (A + B x^2))
-_GELU_TANH_B = tl.constexpr(-2.0 * 0.7978845608028654 * 0.044715 * LOG2E)
-_QUICK_GELU_A = tl.constexpr(-1.702 * LOG2E)
+_SQRT_2_OVER_PI = 0.7978845608028654   # tanh-GELU: u = sqrt(2/pi) (x + 0.044715 x^3)
+_QUICK_GELU_K = 1.702                   # QuickGELU: x sigmoid(1.702 x)
+_GELU_TANH_A = tl.constexpr(-2.0 * _SQRT_2_OVER_PI * LOG2E)  # exp(-2u) = 2^(x (A + B x^2))
+_GELU_TANH_B = tl.constexpr(-2.0 * _SQRT_2_OVER_PI * 0.044715 * LOG2E)
+_QUICK_GELU_A = tl.constexpr(-_QUICK_GELU_K * LOG2E)
 # ONE_TANH's forms: u(x) in h + h tanh(u(x)), h = x / 2. Exact GELU's u is the odd quadratic whose tanh is
 # closest to erf(x / sqrt(2)) (a minimax fit, benchmarks/NOTES.md 58): within 2.72e-4 of x Phi(x) everywhere.
 _GELU_FIT_A, _GELU_FIT_B = tl.constexpr(0.8001587525878255), tl.constexpr(0.034701480458530345)
-_GELU_TANH_U, _GELU_TANH_U3 = tl.constexpr(0.7978845608028654), tl.constexpr(0.7978845608028654 * 0.044715)
-_QUICK_GELU_U = tl.constexpr(0.5 * 1.702)   # sigmoid(1.702 x) = (1 + tanh(0.851 x)) / 2
+_GELU_TANH_U, _GELU_TANH_U3 = tl.constexpr(_SQRT_2_OVER_PI), tl.constexpr(_SQRT_2_OVER_PI * 0.044715)
+_QUICK_GELU_U = tl.constexpr(0.5 * _QUICK_GELU_K)   # sigmoid(1.702 x) = (1 + tanh(0.851 x)) / 2
 # Outputs whose rounding hides that fit: bf16's half ulp is 2e-3 at 1, fp16's 2.4e-4 is not (NOTES 58).
 ONE_TANH_DTYPES = (torch.bfloat16,)
 
