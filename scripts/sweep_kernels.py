@@ -83,7 +83,7 @@ def bench(fn) -> float:
 def launch_linear(cfg, x, w, b, r, y, act, persistent: int, tma: bool):
     """One launch through the package's launch function; cfg: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps,
     num_stages)."""
-    flags = dict(HAS_BIAS=True, ACT=act, ONE_TANH=x.dtype in linear_mod.ONE_TANH_DTYPES,
+    flags = dict(HAS_BIAS=True, ACT=act, ONE_TANH=linear_mod.one_tanh(x.dtype, act),
                  HAS_RESIDUAL=r is not None, HAS_SCALE=False,
                  INPUT_PRECISION=input_precision(x.dtype, True), X_TF32=False, W_TF32=False, Y_TF32=False,
                  USE_TMA=tma, SPLIT_K=1)

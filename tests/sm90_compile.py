@@ -16,6 +16,7 @@ import re
 
 os.environ.pop("TRITON_INTERPRET", None)
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
@@ -23,7 +24,9 @@ from vit_triton.kernels.attention import ONE_PASS_BLOCK_M, ONE_PASS_WARPS, _atte
 from vit_triton.kernels.layer_norm import _layer_norm_kernel  # noqa: E402
 from vit_triton.kernels._common import PDL_EARLY, PDL_LATE  # noqa: E402
 from vit_triton.kernels._tune import Config  # noqa: E402
-from vit_triton.kernels.linear import ACTIVATIONS, FLOAT32, LARGE_M, TINY_M, WIDE_RESIDUAL, _linear_kernel  # noqa: E402
+from vit_triton.kernels.linear import (  # noqa: E402
+    ACTIVATIONS, FLOAT32, LARGE_M, TINY_M, WIDE_RESIDUAL, _linear_kernel, one_tanh,
+)
 from vit_triton.kernels.patch_embed import _patch_embed_kernel  # noqa: E402
 from vit_triton.kernels.tf32 import _round_to_tf32_kernel  # noqa: E402
 from vit_triton.kernels.token_mean import _token_mean_kernel  # noqa: E402
@@ -35,6 +38,7 @@ FLOAT_ARGS = {"eps", "qk_scale", "scale"}
 # and copies nothing ahead, so the PTX here would not be the one the GPU runs.
 ALIGNED_INTS = re.compile(r"[NKD]|stride_\w+|s[qkvo]_[bth]")
 LINEAR_OPERANDS = {"x", "w", "r", "y"}   # linear's matrices: pointers, or descriptors with USE_TMA
+TORCH_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def compile_kernel(kernel, dtype: str, options: dict, constexprs: dict, descriptors: dict | None = None) -> str:
@@ -74,7 +78,7 @@ def linear_case(name: str, dtype: str, config: Config, pdl: int = PDL_LATE, spli
     """linear with this launch config, prefetching its weights; USE_TMA passes x, w, r and y (but a
     residual product's y and split K's fp32 partial sums) as descriptors of its tiles."""
     bm, bn, bk, warps, stages, _ = config
-    defaults = dict(X_TF32=False, W_TF32=False, Y_TF32=False, ONE_TANH=dtype == "bf16")
+    defaults = dict(X_TF32=False, W_TF32=False, Y_TF32=False, ONE_TANH=one_tanh(TORCH_DTYPES[dtype], flags["ACT"]))
     constexprs = dict(defaults | flags, PDL=pdl, PREFETCH=True, SPLIT_K=split_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8)
     descriptors = dict(x=(bm, bk), w=(bn, bk), r=(bm, bn), y=(bm, bn)) if flags["USE_TMA"] else None
     if descriptors and not flags["HAS_RESIDUAL"]:

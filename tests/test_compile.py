@@ -1,7 +1,7 @@
 """Every kernel compiles for the H100 (sm_90); its matrix products use Hopper's wgmma, linear's
 descriptor path the TMA, the pointer paths of the tiled kernels copy ahead asynchronously (the
 software pipeline), each waits for the kernel before it (programmatic dependent launch), linear
-asks L2 for its weights before that wait, and its activations on bf16 outputs take one tanh an element."""
+asks L2 for its weights before that wait, and its activations on 16-bit outputs take one tanh an element."""
 
 import subprocess
 import sys
@@ -40,10 +40,11 @@ def test_kernels_compile_for_sm90_with_wgmma():
             assert all(total > 0 and before == total for *_, [total, before], _, _ in found), (name, dtype, found)
         else:
             assert all(total == 0 for *_, [total, _], _, _ in found), (name, dtype, found)
-        # linear's activations: a bf16 y takes one tanh an element and no exp2 or reciprocal; fp16, fp32 and tf32
+        # linear's activations: a bf16 or fp16 y takes one tanh an element and no exp2 or reciprocal; fp32 and tf32
         # (every case GELU) the erf form's exp2 and reciprocal, no tanh.
-        if name.startswith("linear") and dtype == "bf16":
+        if name.startswith("linear") and dtype in ("bf16", "fp16"):
             assert all(ex2 == rcp == 0 for *_, [ex2, rcp, _] in found), (name, dtype, found)
         elif name.startswith("linear"):
             assert all(ex2 > 0 and rcp > 0 and tanh == 0 for *_, [ex2, rcp, tanh] in found), (name, dtype, found)
-    assert any(tanh > 0 for *_, [_, _, tanh] in counts["linear", "bf16"]), counts["linear", "bf16"]
+    for dtype in ("bf16", "fp16"):
+        assert any(tanh > 0 for *_, [_, _, tanh] in counts["linear", dtype]), counts["linear", dtype]

@@ -88,37 +88,43 @@ def test_activation_over_its_range(act):
     torch.testing.assert_close(out.double(), TORCH_ACTIVATIONS[act](x.double()), atol=1e-6, rtol=4e-6)
 
 
-# The one-tanh forms of bf16 outputs, h + h tanh(u), h = x / 2: exact GELU's fit is within 2.72e-4 of it, the
-# other two are exact forms. On a GPU the tanh is within 1e-5 of tanh (relative; 9.9e-6 measured on an H100), so
-# the result within 1e-5 |h| more. The rest is y's rounding, at most half an ulp.
-ONE_TANH_FIT_ERROR = {"gelu": 2.72e-4, "gelu_tanh": 0.0, "quick_gelu": 0.0}
+# The one-tanh forms of 16-bit outputs, h + h tanh(u), h = x / 2: exact GELU's fit is within 2.72e-4 of it (bf16,
+# degree 3) or 2.8e-5 (fp16, degree 5), the other two are exact forms. On a GPU the tanh is within 1e-5 of tanh
+# (relative; 9.9e-6 measured on an H100), so the result within 1e-5 |h| more. The rest is y's rounding, at most
+# half an ulp.
+ONE_TANH_FIT_ERROR = {3: 2.72e-4, 5: 2.8e-5}
 TANH_ERROR = 1e-5
+HALF_PRECISIONS = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 
 
-@pytest.mark.filterwarnings("ignore:overflow encountered in multiply:RuntimeWarning")   # x * x at 1e38
+@pytest.mark.filterwarnings("ignore:overflow encountered in multiply:RuntimeWarning")   # x * x at bf16's largest
+@HALF_PRECISIONS
 @pytest.mark.parametrize("act", ACTIVATIONS[1:])
-def test_bf16_activation_over_its_range(act):
-    # y = x @ I, x exact in bf16: every activation at 16 * 997 points of [-12, 12] and at +-1e38 (no overflow
-    # inside), held to float64 PyTorch within the fit's and the tanh's error plus half an ulp of y.
-    x = torch.cat([torch.linspace(-12, 12, 997 * 16 - 2), torch.tensor([1e38, -1e38])])
-    x = x.to(DEVICE, torch.bfloat16).view(997, 16)
-    out = linear(x, torch.eye(16, device=DEVICE, dtype=torch.bfloat16), activation=act).double()
+def test_16bit_activation_over_its_range(act, dtype):
+    # y = x @ I, x exact in dtype: every activation at 16 * 997 points of [-12, 12] and at dtype's largest and
+    # smallest values (no overflow inside), held to float64 PyTorch within the fit's and the tanh's error plus
+    # half an ulp of y.
+    largest = torch.finfo(dtype).max
+    x = torch.cat([torch.linspace(-12, 12, 997 * 16 - 2), torch.tensor([largest, -largest])])
+    x = x.to(DEVICE, dtype).view(997, 16)
+    out = linear(x, torch.eye(16, device=DEVICE, dtype=dtype), activation=act).double()
     ref = TORCH_ACTIVATIONS[act](x.double())
-    half_ulp = torch.finfo(torch.bfloat16).eps / 2   # relative
-    allowed = (ONE_TANH_FIT_ERROR[act] + TANH_ERROR * x.double().abs() / 2) * (1 + half_ulp) + half_ulp * ref.abs()
+    half_ulp = torch.finfo(dtype).eps / 2   # relative
+    fit_error = ONE_TANH_FIT_ERROR[LINEAR.ONE_TANH_DEGREE[dtype]] if act == "gelu" else 0.0
+    allowed = (fit_error + TANH_ERROR * x.double().abs() / 2) * (1 + half_ulp) + half_ulp * ref.abs()
     excess = (out - ref).abs() - allowed
     assert excess.max() <= 0, f"{act} off by {excess.max():.2e} more than allowed at x = {x.flatten()[excess.argmax()]}"
 
 
-@pytest.mark.parametrize("dtype, one_tanh", [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float16, False)],
-                         ids=["bf16-erf", "bf16-one-tanh", "fp16"])
+@HALF_PRECISIONS
+@pytest.mark.parametrize("one_tanh", [False, True], ids=["erf", "one-tanh"])
 def test_one_tanh_form_only_where_asked(dtype, one_tanh, monkeypatch):
-    # Without the one-tanh form (fp16 always: its rounding would show the fit), GELU is the erf form's to the bit
-    # of float32 rounded once; with it, it differs where the fit's error crosses a rounding boundary.
+    # Without the one-tanh form, GELU is the erf form's to the bit of float32 rounded once; with it, it differs
+    # where the fit's error crosses a rounding boundary.
     x = torch.linspace(-6, 6, 4096, device=DEVICE).view(256, 16).to(dtype)
     erf_form = linear(x.float(), torch.eye(16, device=DEVICE), activation="gelu", allow_tf32=False).to(dtype)
-    if dtype == torch.bfloat16:
-        monkeypatch.setattr(LINEAR, "ONE_TANH_DTYPES", (torch.bfloat16,) if one_tanh else ())
+    if not one_tanh:
+        monkeypatch.setattr(LINEAR, "ONE_TANH_DEGREE", {})
     out = linear(x, torch.eye(16, device=DEVICE, dtype=dtype), activation="gelu")
     assert torch.equal(out, erf_form) != one_tanh
 

@@ -70,13 +70,23 @@ _QUICK_GELU_K = 1.702                   # QuickGELU: x sigmoid(1.702 x)
 _GELU_TANH_A = tl.constexpr(-2.0 * _SQRT_2_OVER_PI * LOG2E)  # exp(-2u) = 2^(x (A + B x^2))
 _GELU_TANH_B = tl.constexpr(-2.0 * _SQRT_2_OVER_PI * 0.044715 * LOG2E)
 _QUICK_GELU_A = tl.constexpr(-_QUICK_GELU_K * LOG2E)
-# ONE_TANH's forms: u(x) in h + h tanh(u(x)), h = x / 2. Exact GELU's u is the odd quadratic whose tanh is
-# closest to erf(x / sqrt(2)) (a minimax fit, benchmarks/NOTES.md 58): within 2.72e-4 of x Phi(x) everywhere.
-_GELU_FIT_A, _GELU_FIT_B = tl.constexpr(0.8001587525878255), tl.constexpr(0.034701480458530345)
+# ONE_TANH's forms: u(x) in h + h tanh(u(x)), h = x / 2. Exact GELU's u is an odd polynomial whose tanh is closest
+# to erf(x / sqrt(2)) (minimax fits, benchmarks/NOTES.md 58, 59): of degree 3 within 2.72e-4 of x Phi(x), which
+# bf16's rounding hides (half an ulp: 2e-3 at 1) and fp16's does not (2.4e-4); of degree 5 within 2.8e-5, its x^2
+# held at 64 (|x| >= 8, where tanh(u) rounds to 1 either way) since past |x| = 10 the x^5 term would turn u down.
+_GELU_FIT3_1, _GELU_FIT3_3 = tl.constexpr(0.8001587525878255), tl.constexpr(0.034701480458530345)
+_GELU_FIT5_1, _GELU_FIT5_3 = tl.constexpr(0.7975240468576681), tl.constexpr(0.03700132026148351)
+_GELU_FIT5_5 = tl.constexpr(-0.0003523119647840455)
 _GELU_TANH_U, _GELU_TANH_U3 = tl.constexpr(_SQRT_2_OVER_PI), tl.constexpr(_SQRT_2_OVER_PI * 0.044715)
 _QUICK_GELU_U = tl.constexpr(0.5 * _QUICK_GELU_K)   # sigmoid(1.702 x) = (1 + tanh(0.851 x)) / 2
-# Outputs whose rounding hides that fit: bf16's half ulp is 2e-3 at 1, fp16's 2.4e-4 is not (NOTES 58).
-ONE_TANH_DTYPES = (torch.bfloat16,)
+# The one-tanh forms by output dtype, as the degree of exact GELU's u; fp32 and tf32 keep the forms below them.
+ONE_TANH_DEGREE = {torch.bfloat16: 3, torch.float16: 5}
+
+
+def one_tanh(dtype: torch.dtype, activation: str) -> int:
+    """The kernel's ONE_TANH for this output dtype and activation: 0 (the exp2 and reciprocal forms, and no
+    activation) or the degree of exact GELU's u in the one-tanh forms."""
+    return ONE_TANH_DEGREE.get(dtype, 0) if activation != "none" else 0
 
 
 @triton.jit
@@ -84,11 +94,15 @@ def _activation(x, ACT: tl.constexpr, ONE_TANH: tl.constexpr):
     """The activation on fp32 x, from single SFU instructions and FMAs: evaluated once an element while no
     MMA runs, so each instruction shows at K = 768 (benchmarks/NOTES.md 13, 52, 58).
 
-    ONE_TANH (y is bf16): h + h tanh(u(x)), one SFU instruction an element where the forms below take two.
-    fc1 + GELU's relative Frobenius error on an H100: 0.64-0.67x PyTorch's, against 0.62-0.66x below."""
+    ONE_TANH > 0 (y is 16-bit; one_tanh): h + h tanh(u(x)), one SFU instruction an element where the forms below
+    take two; ONE_TANH is the degree of exact GELU's u. fc1 + GELU's relative Frobenius error on an H100: bf16
+    (degree 3) 0.64-0.67x PyTorch's, fp16 (degree 5) 0.65-0.68x, against 0.62-0.67x below."""
     if ONE_TANH and ACT != "none":
-        if ACT == "gelu":
-            u = x * (_GELU_FIT_A + _GELU_FIT_B * x * x)
+        if ACT == "gelu" and ONE_TANH == 5:
+            s = tl.minimum(x * x, 64.0)
+            u = x * (_GELU_FIT5_1 + s * (_GELU_FIT5_3 + s * _GELU_FIT5_5))
+        elif ACT == "gelu":
+            u = x * (_GELU_FIT3_1 + _GELU_FIT3_3 * x * x)
         elif ACT == "gelu_tanh":
             u = x * (_GELU_TANH_U + _GELU_TANH_U3 * x * x)
         else:
@@ -302,7 +316,7 @@ def linear(
     if out is None:
         out = torch.empty((M, N), device=x.device, dtype=x.dtype)
     weight, precision = _precision(x, weight, allow_tf32, tf32_input)
-    flags = dict(HAS_BIAS=bias is not None, ACT=activation, ONE_TANH=x.dtype in ONE_TANH_DTYPES,
+    flags = dict(HAS_BIAS=bias is not None, ACT=activation, ONE_TANH=one_tanh(x.dtype, activation),
                  HAS_RESIDUAL=residual is not None,
                  HAS_SCALE=scale != 1.0, **precision, Y_TF32=precision["INPUT_PRECISION"] == "tf32" and tf32_output,
                  USE_TMA=tma_ready(x, weight, residual, out), SPLIT_K=1)
@@ -328,7 +342,7 @@ def linear_partials(
     M, N = x.shape[0], weight.shape[0]
     parts = torch.empty((splits * M, N), device=x.device, dtype=torch.float32)   # the slices one above the other
     weight, precision = _precision(x, weight, allow_tf32, tf32_input)
-    flags = dict(HAS_BIAS=bias is not None, ACT="none", ONE_TANH=False, HAS_RESIDUAL=False, HAS_SCALE=False,
+    flags = dict(HAS_BIAS=bias is not None, ACT="none", ONE_TANH=0, HAS_RESIDUAL=False, HAS_SCALE=False,
                  **precision, Y_TF32=False, USE_TMA=tma_ready(x, weight, parts), SPLIT_K=splits)
     _tuned_launch(x, weight, bias, None, parts, 1.0, flags)
     return parts.view(splits, M, N)
