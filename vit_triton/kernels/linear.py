@@ -92,7 +92,7 @@ def one_tanh(dtype: torch.dtype, activation: str) -> int:
 @triton.jit
 def _activation(x, ACT: tl.constexpr, ONE_TANH: tl.constexpr):
     """The activation on fp32 x, from single SFU instructions and FMAs: evaluated once an element while no
-    MMA runs, so each instruction shows at K = 768 (benchmarks/NOTES.md 13, 52, 58).
+    MMA runs, so each instruction shows at K = 768 (benchmarks/NOTES.md 13, 52, 58, 59).
 
     ONE_TANH > 0 (y is 16-bit; one_tanh): h + h tanh(u(x)), one SFU instruction an element where the forms below
     take two; ONE_TANH is the degree of exact GELU's u. fc1 + GELU's relative Frobenius error on an H100: bf16
