@@ -94,11 +94,11 @@ def test_activation_over_its_range(act):
 # half an ulp.
 ONE_TANH_FIT_ERROR = {3: 2.72e-4, 5: 2.8e-5}
 TANH_ERROR = 1e-5
-HALF_PRECISIONS = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+SIXTEEN_BIT_DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in multiply:RuntimeWarning")   # x * x at bf16's largest
-@HALF_PRECISIONS
+@SIXTEEN_BIT_DTYPES
 @pytest.mark.parametrize("act", ACTIVATIONS[1:])
 def test_16bit_activation_over_its_range(act, dtype):
     # y = x @ I, x exact in dtype: every activation at 16 * 997 points of [-12, 12] and at dtype's largest and
@@ -116,7 +116,7 @@ def test_16bit_activation_over_its_range(act, dtype):
     assert excess.max() <= 0, f"{act} off by {excess.max():.2e} more than allowed at x = {x.flatten()[excess.argmax()]}"
 
 
-@HALF_PRECISIONS
+@SIXTEEN_BIT_DTYPES
 @pytest.mark.parametrize("one_tanh", [False, True], ids=["erf", "one-tanh"])
 def test_one_tanh_form_only_where_asked(dtype, one_tanh, monkeypatch):
     # Without the one-tanh form, GELU is the erf form's to the bit of float32 rounded once; with it, it differs
