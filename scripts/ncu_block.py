@@ -33,11 +33,11 @@ from pathlib import Path
 import torch
 
 from vit_triton.bench.workloads import forward_workloads
+from vit_triton.cli import torch_dtype
 from vit_triton.kernels import linear
 from vit_triton.model import PRESETS
 from vit_triton.pipelines.store import write_atomic
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "WarpStateStats", "Occupancy", "LaunchStats",
             "SchedulerStats", "InstructionStats", "MemoryWorkloadAnalysis")
 METRICS = ("Duration", "SM Frequency", "Compute (SM) Throughput", "Memory Throughput", "DRAM Throughput",
@@ -118,7 +118,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="vit_base_patch16_224", choices=sorted(PRESETS))
     parser.add_argument("--batch-sizes", type=batch_sizes, default=[256, 32, 1])
-    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
     parser.add_argument("--json", type=Path, help="write the kernels' metrics here")
     parser.add_argument("--ncu", default="ncu", help="the Nsight Compute command line")
     parser.add_argument("--launch", action="store_true", help=argparse.SUPPRESS)   # the step ncu runs
@@ -126,7 +126,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         parser.exit(2, "ncu_block needs a CUDA device\n")
     if args.launch:
-        launch(args.model, args.batch_sizes, DTYPES[args.dtype])
+        launch(args.model, args.batch_sizes, torch_dtype(args.dtype))
         return
     kernels = profile(args)
     for k in kernels:

@@ -27,6 +27,7 @@ import vit_triton
 from vit_triton.bench.costs import forward_costs
 from vit_triton.bench.numerics import randomize_
 from vit_triton.bench.workloads import forward_workloads
+from vit_triton.cli import torch_dtype
 from vit_triton.model import PRESETS, ViT, ViTConfig
 
 LINEAR = importlib.import_module("vit_triton.kernels.linear")   # the module; the package exports the function
@@ -130,7 +131,7 @@ def main() -> None:
     parser.add_argument("--replay-only", action="store_true", help="skip timing each kernel alone")
     parser.add_argument("--json", help="write the breakdowns here")
     args = parser.parse_args()
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    dtype = torch_dtype(args.dtype)
     cfg = PRESETS[args.model]
     model = randomize_(ViT(cfg, device="cuda")).to(dtype).eval()
     results = []

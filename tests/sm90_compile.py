@@ -16,10 +16,10 @@ import re
 
 os.environ.pop("TRITON_INTERPRET", None)
 
-import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
+from vit_triton.cli import torch_dtype  # noqa: E402
 from vit_triton.kernels.attention import ONE_PASS_BLOCK_M, ONE_PASS_WARPS, _attention_kernel, key_pieces  # noqa: E402
 from vit_triton.kernels.layer_norm import _layer_norm_kernel  # noqa: E402
 from vit_triton.kernels._common import PDL_EARLY, PDL_LATE  # noqa: E402
@@ -38,7 +38,6 @@ FLOAT_ARGS = {"eps", "qk_scale", "scale"}
 # and copies nothing ahead, so the PTX here would not be the one the GPU runs.
 ALIGNED_INTS = re.compile(r"[NKD]|stride_\w+|s[qkvo]_[bth]")
 LINEAR_OPERANDS = {"x", "w", "r", "y"}   # linear's matrices: pointers, or descriptors with USE_TMA
-TORCH_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def compile_kernel(kernel, dtype: str, options: dict, constexprs: dict, descriptors: dict | None = None) -> str:
@@ -78,7 +77,7 @@ def linear_case(name: str, dtype: str, config: Config, pdl: int = PDL_LATE, spli
     """linear with this launch config, prefetching its weights; USE_TMA passes x, w, r and y (but a
     residual product's y and split K's fp32 partial sums) as descriptors of its tiles."""
     bm, bn, bk, warps, stages, _ = config
-    defaults = dict(X_TF32=False, W_TF32=False, Y_TF32=False, ONE_TANH=one_tanh(TORCH_DTYPES[dtype], flags["ACT"]))
+    defaults = dict(X_TF32=False, W_TF32=False, Y_TF32=False, ONE_TANH=one_tanh(torch_dtype(dtype), flags["ACT"]))
     constexprs = dict(defaults | flags, PDL=pdl, PREFETCH=True, SPLIT_K=split_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8)
     descriptors = dict(x=(bm, bk), w=(bn, bk), r=(bm, bn), y=(bm, bn)) if flags["USE_TMA"] else None
     if descriptors and not flags["HAS_RESIDUAL"]:

@@ -7,7 +7,9 @@ import os
 import sys
 import textwrap
 
-_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+# --dtype names -> torch dtype names, as strings so that parsing the command line does not import torch
+# (torch_dtype gives the dtype, and takes bench's tf32 too).
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 _EXIT_CODES = """exit status:
   0    success (embed: every input embedded, or listed with its reason in the .skipped.tsv file)
@@ -54,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="model shape (timm name): vit_small_patch16_224, vit_base_patch16_224, "
                             "vit_large_patch16_224, vit_large_patch14_clip_336 (default: %(default)s)")
     bench.add_argument("--batch-sizes", default="1,8,32,128,256", help="comma-separated (default: %(default)s)")
-    bench.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES) + ["tf32"],
+    bench.add_argument("--dtype", default="bf16", choices=sorted(DTYPES) + ["tf32"],
                        help="tf32: float32 tensors with every system's matmuls on tf32 tensor cores "
                             "(torch.set_float32_matmul_precision('high')); fp32 keeps them exact "
                             "(default: %(default)s)")
@@ -140,17 +142,18 @@ several GPUs: torchrun --nproc-per-node N -m vit_triton embed INPUT --model M --
 
 def _add_runtime_options(p: argparse.ArgumentParser, batch_help: str) -> None:
     p.add_argument("--batch-size", type=int, default=None, help=batch_help)
-    p.add_argument("--dtype", choices=list(_DTYPES), default=None,
+    p.add_argument("--dtype", choices=list(DTYPES), default=None,
                    help="compute dtype of the model (default bf16 on a GPU, fp32 in the CPU interpreter)")
     p.add_argument("--device", default=None,
                    help="torch device (default: cuda, or cuda:LOCAL_RANK under torchrun; without a CUDA device, "
                         "cpu through Triton's interpreter)")
 
 
-def _dtype(name: str):
+def torch_dtype(name: str):
+    """The torch dtype of a --dtype name: fp32, bf16, fp16, or tf32 (float32)."""
     import torch
 
-    return getattr(torch, _DTYPES[name])
+    return getattr(torch, DTYPES["fp32" if name == "tf32" else name])
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -169,7 +172,7 @@ def _bench(args: argparse.Namespace) -> int:
         raise SystemExit(f"vit-triton bench: --batch-sizes must be comma-separated integers, got {args.batch_sizes!r}")
     if args.dtype == "tf32":
         torch.set_float32_matmul_precision("high")
-    dtype = _dtype("fp32" if args.dtype == "tf32" else args.dtype)
+    dtype = torch_dtype(args.dtype)
     if args.energy and not on_gpu:
         raise SystemExit("vit-triton bench: --energy reads a GPU board's energy while the systems or kernels run: it "
                          "needs a CUDA device")
@@ -226,9 +229,9 @@ def _verify(args: argparse.Namespace) -> int:
         raise SystemExit(f"vit-triton verify: unknown model {name!r}; expected one of {', '.join(PRESETS)}")
     dtypes = []
     for d in args.dtypes.split(","):
-        if d not in _DTYPES:
+        if d not in DTYPES:
             raise SystemExit(f"vit-triton verify: unknown dtype {d!r}; expected a subset of fp32,bf16,fp16")
-        dtypes.append(_dtype(d))
+        dtypes.append(torch_dtype(d))
     batch = args.batch_size or (8 if on_gpu else 2)
     device = torch.device("cuda" if on_gpu else "cpu")
     where = torch.cuda.get_device_name() if on_gpu else "CPU, Triton interpreter"
@@ -265,7 +268,7 @@ def _classify(args: argparse.Namespace) -> int:
     if args.top_k < 1 or (args.batch_size is not None and args.batch_size < 1):
         raise UsageError("--top-k and --batch-size must be at least 1")
     model = from_pretrained(args.model, device=args.device or ("cuda" if on_gpu else "cpu"),
-                            dtype=_dtype(args.dtype or ("bf16" if on_gpu else "fp32")))
+                            dtype=torch_dtype(args.dtype or ("bf16" if on_gpu else "fp32")))
     if model.head is None:
         raise UsageError(f"--model {args.model} has no classification head ({model.checkpoint.architecture}): "
                          f"use vit-triton embed for its embeddings")
@@ -292,7 +295,7 @@ def _embed(args: argparse.Namespace) -> int:
     summary = embed(EmbedOptions(
         model=args.model, input=args.input, output=args.output, batch_size=args.batch_size,
         num_workers=args.num_workers, chunk_size=args.chunk_size, normalize=args.normalize, tokens=args.tokens,
-        dtype=args.dtype and _dtype(args.dtype), output_dtype=args.output_dtype, device=args.device,
+        dtype=args.dtype and torch_dtype(args.dtype), output_dtype=args.output_dtype, device=args.device,
         overwrite=args.overwrite, progress=args.progress,
     ))
     if summary is not None:  # rank 0
