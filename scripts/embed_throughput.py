@@ -1,12 +1,14 @@
 """Throughput of `vit-triton embed` on a GPU, with and without decoding overlapped with the model.
 
-Generates --num-images JPEGs of ImageNet-like sizes, saves a ViT-B/16 checkpoint with random weights
+Generates --num-images JPEGs of ImageNet-like sizes (or all of --image-size), saves a ViT-B/16 checkpoint with random weights
 in timm's layout (config.json + model.safetensors), and embeds the folder twice with the package's
 own pipeline: with --num-workers 0 (decode, preprocess, then compute, in turn) and with N DataLoader
-workers (decoding overlapped with the GPU). Also times the two ceilings, the model alone on ready
-batches and decoding alone in one process, and checks that both runs wrote identical embeddings.
+workers (decoding overlapped with the GPU). Also times the ceilings: the model alone on ready batches,
+called eagerly and replayed from a CUDA graph as embed replays full batches, and decoding alone in one
+process; and checks that both runs wrote identical embeddings.
 
-    python scripts/embed_throughput.py [--num-images 3000] [--batch-size 256] [--workers N] [--json out.json]
+    python scripts/embed_throughput.py [--num-images 3000] [--batch-size 256] [--workers N] [--image-size WxH]
+                                       [--json out.json]
 
 Needs a CUDA device, timm (for the checkpoint's weights), pyarrow. Takes about a minute on an H100.
 """
@@ -31,23 +33,24 @@ from PIL import Image  # noqa: E402
 SIZES = [(500, 375), (375, 500), (500, 333), (640, 480), (480, 640), (800, 600)]  # (width, height)
 
 
-def _make_jpeg(args: tuple[int, str]) -> None:
-    """A smooth random image with grain, so that it compresses like a photo (~50-150 KB)."""
-    seed, path = args
+def _make_jpeg(args: tuple[int, str, tuple[int, int] | None]) -> None:
+    """A smooth random image with grain, so that it compresses like a photo (~50-150 KB at ImageNet's sizes)."""
+    seed, path, size = args
     rng = np.random.default_rng(seed)
-    w, h = SIZES[seed % len(SIZES)]
+    w, h = size or SIZES[seed % len(SIZES)]
     coarse = Image.fromarray(rng.integers(0, 256, (9, 12, 3), dtype=np.uint8)).resize((w, h), Image.BICUBIC)
     pixels = np.asarray(coarse, dtype=np.int16) + rng.integers(-12, 13, (h, w, 3), dtype=np.int16)
     Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).save(path, quality=90)
 
 
-def make_images(folder: Path, count: int) -> list[str]:
+def make_images(folder: Path, count: int, size: tuple[int, int] | None = None) -> list[str]:
+    """`count` JPEGs under folder, all (width, height) `size`, or of SIZES in turn."""
     folder.mkdir(parents=True, exist_ok=True)
     paths = [str(folder / f"{i // 1000:03d}" / f"img{i:06d}.jpg") for i in range(count)]
     for d in {os.path.dirname(p) for p in paths}:
         os.makedirs(d, exist_ok=True)
     with Pool(os.cpu_count()) as pool:
-        pool.map(_make_jpeg, list(enumerate(paths)), chunksize=32)
+        pool.map(_make_jpeg, [(i, path, size) for i, path in enumerate(paths)], chunksize=32)
     return paths
 
 
@@ -66,20 +69,25 @@ def make_checkpoint(folder: Path) -> Path:
     return folder
 
 
-def model_ceiling(checkpoint: Path, batch_size: int, iters: int = 20) -> float:
-    """Images/s of normalize + forward on uint8 batches already on the GPU: the model's own limit."""
+def model_ceiling(checkpoint: Path, batch_size: int, graphed: bool, iters: int = 20) -> float:
+    """Images/s of embed's GPU work for a batch (embedding_fn: normalize, forward, pooling) on uint8 batches already
+    on the GPU, called eagerly or replayed from a CUDA graph as embed replays full batches: the model's own limit."""
     from vit_triton import Preprocess, from_pretrained
+    from vit_triton.pipelines.embed import embedding_fn
+    from vit_triton.runtime import CUDAGraphRunner
 
     model = from_pretrained(checkpoint, device="cuda", dtype=torch.bfloat16)
-    pre = Preprocess.for_model(model)
+    compute = embedding_fn(model, Preprocess.for_model(model), normalize=False, tokens=False,
+                           output_dtype=torch.float32)
+    run = CUDAGraphRunner(model, forward=compute) if graphed else compute
     pixels = torch.randint(0, 256, (batch_size, 3, 224, 224), dtype=torch.uint8, device="cuda")
     with torch.inference_mode():
         for _ in range(3):
-            model.forward_head(model.forward_features(pre.normalize(pixels)), pre_logits=True)
+            run(pixels)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(iters):
-            model.forward_head(model.forward_features(pre.normalize(pixels)), pre_logits=True)
+            run(pixels)
         end.record()
         torch.cuda.synchronize()
     return batch_size * iters / (start.elapsed_time(end) / 1000)
@@ -110,12 +118,23 @@ def run_embed(checkpoint: Path, input_spec: str, output: Path, batch_size: int, 
     return summary.processed / summary.seconds
 
 
+def _size(text: str) -> tuple[int, int]:
+    try:
+        w, h = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected WIDTHxHEIGHT such as 256x256, got {text!r}") from None
+    return w, h
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-images", type=int, default=3000)
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
                         help="DataLoader workers of the overlapped run (default: the CPUs less one, as embed's)")
+    parser.add_argument("--image-size", type=_size, default=None, metavar="WxH",
+                        help="every JPEG this size, e.g. 256x256 for a dataset stored resized (default: ImageNet-like "
+                             "sizes from 500x333 to 800x600)")
     parser.add_argument("--dir", default=None, help="working folder (default: a temporary one)")
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
@@ -125,7 +144,7 @@ def main() -> int:
 
     root = Path(args.dir or tempfile.mkdtemp(prefix="embed_throughput_"))
     t0 = time.perf_counter()
-    paths = make_images(root / "images", args.num_images)
+    paths = make_images(root / "images", args.num_images, args.image_size)
     checkpoint = make_checkpoint(root / "vit_base_patch16_224")
     print(f"{args.num_images} JPEGs and a ViT-B/16 checkpoint in {time.perf_counter() - t0:.1f} s under {root}",
           flush=True)
@@ -139,7 +158,9 @@ def main() -> int:
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
         "triton": __import__("triton").__version__, "cpus": os.cpu_count(), "num_images": args.num_images,
         "batch_size": args.batch_size, "model": "vit_base_patch16_224 (random weights), bfloat16",
-        "model_only_images_per_s": model_ceiling(checkpoint, args.batch_size),
+        "image_size": "x".join(map(str, args.image_size)) if args.image_size else "mixed",
+        "model_only_eager_images_per_s": model_ceiling(checkpoint, args.batch_size, graphed=False),
+        "model_only_graphed_images_per_s": model_ceiling(checkpoint, args.batch_size, graphed=True),
         "decode_one_process_images_per_s": decode_ceiling(checkpoint, paths),
         "embed_workers_0_images_per_s": run_embed(checkpoint, str(root / "images"), root / "w0.parquet",
                                                   args.batch_size, 0),

@@ -20,8 +20,9 @@ from vit_triton import from_pretrained
 from vit_triton.cli import main
 from vit_triton.data import Preprocess, load_image
 from vit_triton.data.files import list_inputs
-from vit_triton.pipelines.embed import _device as embed_device
+from vit_triton.pipelines.embed import _device as embed_device, embedding_fn
 from vit_triton.pipelines.store import UsageError
+from vit_triton.runtime import CUDAGraphRunner
 
 pq = pytest.importorskip("pyarrow.parquet")
 
@@ -119,6 +120,25 @@ def test_npy_tokens_normalized_from_a_list_file_with_a_timm_checkpoint(tmp_path)
     torch.testing.assert_close(torch.from_numpy(tokens).float(), features, atol=2e-3, rtol=2e-3)
     assert "imgs/missing.png\tcannot read file: No such file or directory" in (tmp_path / "emb.skipped.tsv").read_text()
 
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a CUDA device")
+def test_graphed_batches_equal_eager_ones():
+    # On a GPU, embed replays full batches from a CUDA graph of embedding_fn (normalize, forward, pooling,
+    # L2 norm, cast) and runs short ones eagerly: both must write the same bits.
+    model = from_pretrained("deit", device=DEVICE, dtype=torch.bfloat16)
+    fn = embedding_fn(model, Preprocess.for_model(model), normalize=True, tokens=True, output_dtype=torch.float16)
+    graphed = CUDAGraphRunner(model, forward=fn)
+    pixels = torch.randint(0, 256, (5, 3, 32, 32), dtype=torch.uint8, device=DEVICE)
+    with torch.inference_mode():
+        eager = fn(pixels)
+        first = graphed(pixels)   # captured, then replayed
+        first[0].add_(1)          # its own memory: the next replay leaves it alone
+        again = graphed(pixels)
+    assert len(eager) == len(first) == len(again) == 2
+    for e, a in zip(eager, again):
+        assert torch.equal(a, e)
+    assert torch.equal(first[0], eager[0] + 1) and torch.equal(first[1], eager[1])
 
 def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "vit_triton", *args]

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from tests.numerics import DEVICE, DTYPES, LOW_PRECISION_FACTOR, assert_close, rel_err
-from vit_triton.kernels.tf32 import TF32_WEIGHT_ROWS
 
 # @each_dtype on a test runs it once per dtype, with readable ids ("float32", "bfloat16", "float16").
 each_dtype = pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))

@@ -1,9 +1,9 @@
 """`vit-triton embed`: one embedding per image for a folder, list or glob of any size.
 
 Per process: DataLoader workers decode, resize and crop (uint8) while the GPU runs the previous
-batches; pinned batches are copied without blocking, normalized on the device, and each batch's
-results come back through pinned memory one batch later, so that copying and writing overlap the
-next forward. Batches never straddle a chunk (store.py), so a batch holds the same images however
+batches; pinned batches are copied without blocking, normalized on the device (on a GPU, a full batch's
+normalizing, forward and pooling replay one CUDA graph), and each batch's results come back through
+pinned memory one batch later, so that copying and writing overlap the next forward. Batches never straddle a chunk (store.py), so a batch holds the same images however
 the work is split, and a resumed or a torchrun run writes what one uninterrupted process would.
 
 Under torchrun (WORLD_SIZE > 1) rank 0 lists the inputs and chooses the chunks still to do; rank r
@@ -18,7 +18,6 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -28,6 +27,7 @@ from torch.utils.data import DataLoader, Sampler
 from ..data import Preprocess
 from ..data.files import Batch, ImageFiles, list_inputs, worker_init
 from ..loaders import from_pretrained
+from ..runtime import CUDAGraphRunner
 from .store import ChunkStore, Summary, UsageError
 
 OUTPUT_DTYPES = {"float32": torch.float32, "float16": torch.float16}
@@ -96,17 +96,28 @@ class _InFlight:
         return [h.numpy().copy() for h in self.host]  # out of pinned memory, which stays for reuse
 
 
-def _launch(model, pre: Preprocess, batch: Batch, device: torch.device, opts: EmbedOptions,
+def embedding_fn(model, pre: Preprocess, normalize: bool, tokens: bool, output_dtype: torch.dtype):
+    """The GPU's share of a batch: uint8 pixels [B, C, H, W] on the model's device -> (pooled embeddings [B, D],
+    and with tokens every token's features [B, T, D]) in output_dtype, L2-normalized with normalize."""
+
+    def outputs(pixels: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        features = model.forward_features(pre.normalize(pixels))
+        pooled = model.forward_head(features, pre_logits=True).float()
+        if normalize:
+            pooled = F.normalize(pooled, dim=-1)
+        return (pooled.to(output_dtype),) + ((features.to(output_dtype),) if tokens else ())
+
+    return outputs
+
+
+def _launch(compute, graphed, batch: Batch, device: torch.device, batch_size: int,
             empty: list[torch.Tensor]) -> _InFlight:
+    """Starts a batch: copied in, computed (a full batch from its CUDA graph, when there is one), and its results
+    on their way to pinned host memory."""
     if not batch.indices:
         return _InFlight(batch, empty, None)
-    pixels = pre.normalize(batch.pixels.to(device, non_blocking=True))
-    features = model.forward_features(pixels)
-    pooled = model.forward_head(features, pre_logits=True).float()
-    if opts.normalize:
-        pooled = F.normalize(pooled, dim=-1)
-    out_dtype = OUTPUT_DTYPES[opts.output_dtype]
-    outputs = [pooled.to(out_dtype)] + ([features.to(out_dtype)] if opts.tokens else [])
+    pixels = batch.pixels.to(device, non_blocking=True)
+    outputs = graphed(pixels) if graphed is not None and len(batch.indices) == batch_size else compute(pixels)
     cuda = device.type == "cuda"
     host = [torch.empty(o.shape, dtype=o.dtype, pin_memory=cuda).copy_(o, non_blocking=cuda) for o in outputs]
     event = None
@@ -271,10 +282,14 @@ def _run(model, pre: Preprocess, inputs: list[str], chunks: dict[int, range], st
         writer.add(chunk, b.indices, flight.wait(), b.skipped)
         bar.update(len(b.indices) + len(b.skipped))
 
+    compute = embedding_fn(model, pre, opts.normalize, opts.tokens, out_dtype)
+    # On a GPU, full batches replay one CUDA graph (an eager forward waits on Python's launches, benchmarks/NOTES.md
+    # 61); a batch made short by the end of a chunk or by unreadable files runs eagerly, the same computation.
+    graphed = CUDAGraphRunner(model, forward=compute) if device.type == "cuda" else None
     in_flight = None
     with torch.inference_mode():
         for batch in loader:
-            launched = _launch(model, pre, batch, device, opts, empty)
+            launched = _launch(compute, graphed, batch, device, batch_size, empty)
             if in_flight is not None:
                 finish(in_flight)  # the previous batch, while the GPU runs this one
             in_flight = launched

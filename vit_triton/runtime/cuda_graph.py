@@ -13,7 +13,7 @@ each replay (kernels/tf32.py).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -23,12 +23,18 @@ from ..model import ViT
 
 
 class CUDAGraphRunner:
-    """Callable like the model (pixels -> output); captures a graph the first time it sees a shape."""
+    """Callable like the model (pixels -> output), or like `forward`; captures a graph the first time it sees an
+    input shape."""
 
-    def __init__(self, model: torch.nn.Module, warmup: int = 2) -> None:
+    def __init__(self, model: torch.nn.Module, warmup: int = 2,
+                 forward: Callable[[torch.Tensor], torch.Tensor | tuple[torch.Tensor, ...]] | None = None) -> None:
+        """forward: what each graph holds, from the input to a tensor or a tuple of tensors (default: the model's
+        forward; `vit-triton embed` graphs normalizing uint8 pixels and pooling too). Once warmed up it must be
+        capturable: no copy from host memory, no wait for the GPU."""
         self.model = model
+        self.forward = forward or model
         self.warmup = warmup
-        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, object]] = {}
         self._pool = None
         self._lock = threading.Lock()
 
@@ -46,12 +52,14 @@ class CUDAGraphRunner:
         return tuple(shape), dtype, torch.get_float32_matmul_precision()
 
     def _capture(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
-        static_in = torch.randn(shape, device=device).to(dtype)
+        # Random inputs for the warm-up calls, which tune the kernels; integer (uint8 pixel) inputs take 0-255.
+        static_in = (torch.randn(shape, device=device).to(dtype) if dtype.is_floating_point
+                     else torch.randint(0, 256, shape, device=device, dtype=dtype))
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.inference_mode(), torch.cuda.stream(side):
             for _ in range(self.warmup):
-                self.model(static_in)
+                self.forward(static_in)
         torch.cuda.current_stream(device).wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
@@ -62,11 +70,11 @@ class CUDAGraphRunner:
         # (torch.cuda.graph's default) their work could land in it.
         with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool, stream=capture_stream(device),
                                                       capture_error_mode="thread_local"):
-            static_out = self.model(static_in)
+            static_out = self.forward(static_in)
         self._graphs[self.key(shape, dtype)] = (graph, static_in, static_out)
 
-    def __call__(self, pixels: torch.Tensor) -> torch.Tensor:
-        """The model's output for `pixels`, from a graph replay (a fresh tensor, not the graph's buffer)."""
+    def __call__(self, pixels: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """forward(pixels) from a graph replay: fresh tensors, not the graph's buffers."""
         key = self.key(pixels.shape, pixels.dtype)
         with self._lock:
             if key not in self._graphs:   # the warm-up calls validate the input like the model does
@@ -75,7 +83,9 @@ class CUDAGraphRunner:
             refresh_copies()
             static_in.copy_(pixels)
             graph.replay()
-            return static_out.clone()
+            if isinstance(static_out, torch.Tensor):
+                return static_out.clone()
+            return tuple(t.clone() for t in static_out)
 
 
 def compile(model: ViT, batch_sizes: Iterable[int] = (), dtype: torch.dtype | None = None) -> CUDAGraphRunner:
