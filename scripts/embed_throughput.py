@@ -1,11 +1,12 @@
 """Throughput of `vit-triton embed` on a GPU, with and without decoding overlapped with the model.
 
-Generates --num-images JPEGs of ImageNet-like sizes (or all of --image-size), saves a ViT-B/16 checkpoint with random weights
-in timm's layout (config.json + model.safetensors), and embeds the folder twice with the package's
-own pipeline: with --num-workers 0 (decode, preprocess, then compute, in turn) and with N DataLoader
-workers (decoding overlapped with the GPU). Also times the ceilings: the model alone on ready batches,
-called eagerly and replayed from a CUDA graph as embed replays full batches, and decoding alone in one
-process; and checks that both runs wrote identical embeddings.
+Generates --num-images JPEGs of ImageNet-like sizes (or all of --image-size), saves a ViT-B/16
+checkpoint with random weights in timm's layout (config.json + model.safetensors), and embeds the
+folder twice with the package's own pipeline: with --num-workers 0 (decode, preprocess, then
+compute, in turn) and with N DataLoader workers (decoding overlapped with the GPU). Also times the
+ceilings: the model alone on ready batches, called eagerly and replayed from a CUDA graph as embed
+replays full batches, and decoding alone in one process; and checks that both runs wrote identical
+embeddings.
 
     python scripts/embed_throughput.py [--num-images 3000] [--batch-size 256] [--workers N] [--image-size WxH]
                                        [--json out.json]

@@ -1,10 +1,11 @@
 """`vit-triton embed`: one embedding per image for a folder, list or glob of any size.
 
 Per process: DataLoader workers decode, resize and crop (uint8) while the GPU runs the previous
-batches; pinned batches are copied without blocking, normalized on the device (on a GPU, a full batch's
-normalizing, forward and pooling replay one CUDA graph), and each batch's results come back through
-pinned memory one batch later, so that copying and writing overlap the next forward. Batches never straddle a chunk (store.py), so a batch holds the same images however
-the work is split, and a resumed or a torchrun run writes what one uninterrupted process would.
+batches; pinned batches are copied without blocking, normalized on the device (on a GPU, a full
+batch's normalizing, forward and pooling replay one CUDA graph), and each batch's results come back
+through pinned memory one batch later, so that copying and writing overlap the next forward. Batches
+never straddle a chunk (store.py), so a batch holds the same images however the work is split, and a
+resumed or a torchrun run writes what one uninterrupted process would.
 
 Under torchrun (WORLD_SIZE > 1) rank 0 lists the inputs and chooses the chunks still to do; rank r
 takes every world-th of them; rank 0 merges when all are done. The process group (gloo) carries
