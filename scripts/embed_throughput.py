@@ -70,9 +70,9 @@ def make_checkpoint(folder: Path) -> Path:
     return folder
 
 
-def model_ceiling(checkpoint: Path, batch_size: int, graphed: bool, iters: int = 20) -> float:
+def model_ceilings(checkpoint: Path, batch_size: int, iters: int = 20) -> tuple[float, float]:
     """Images/s of embed's GPU work for a batch (embedding_fn: normalize, forward, pooling) on uint8 batches already
-    on the GPU, called eagerly or replayed from a CUDA graph as embed replays full batches: the model's own limit."""
+    on the GPU, (called eagerly, replayed from a CUDA graph as embed replays full batches): the model's own limit."""
     from vit_triton import Preprocess, from_pretrained
     from vit_triton.pipelines.embed import embedding_fn
     from vit_triton.runtime import CUDAGraphRunner
@@ -80,18 +80,21 @@ def model_ceiling(checkpoint: Path, batch_size: int, graphed: bool, iters: int =
     model = from_pretrained(checkpoint, device="cuda", dtype=torch.bfloat16)
     compute = embedding_fn(model, Preprocess.for_model(model), normalize=False, tokens=False,
                            output_dtype=torch.float32)
-    run = CUDAGraphRunner(model, forward=compute) if graphed else compute
     pixels = torch.randint(0, 256, (batch_size, 3, 224, 224), dtype=torch.uint8, device="cuda")
-    with torch.inference_mode():
-        for _ in range(3):
-            run(pixels)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            run(pixels)
-        end.record()
-        torch.cuda.synchronize()
-    return batch_size * iters / (start.elapsed_time(end) / 1000)
+
+    def images_per_s(run) -> float:
+        with torch.inference_mode():
+            for _ in range(3):
+                run(pixels)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                run(pixels)
+            end.record()
+            torch.cuda.synchronize()
+        return batch_size * iters / (start.elapsed_time(end) / 1000)
+
+    return images_per_s(compute), images_per_s(CUDAGraphRunner(model, forward=compute))
 
 
 def decode_ceiling(checkpoint: Path, paths: list[str], count: int = 200) -> float:
@@ -155,13 +158,13 @@ def main() -> int:
     warm.write_text("\n".join(paths[: 2 * args.batch_size + args.num_images % args.batch_size]) + "\n")
     run_embed(checkpoint, str(warm), root / "warm.parquet", args.batch_size, args.workers)
 
+    eager, graphed = model_ceilings(checkpoint, args.batch_size)
     results = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
         "triton": __import__("triton").__version__, "cpus": os.cpu_count(), "num_images": args.num_images,
         "batch_size": args.batch_size, "model": "vit_base_patch16_224 (random weights), bfloat16",
         "image_size": "x".join(map(str, args.image_size)) if args.image_size else "mixed",
-        "model_only_eager_images_per_s": model_ceiling(checkpoint, args.batch_size, graphed=False),
-        "model_only_graphed_images_per_s": model_ceiling(checkpoint, args.batch_size, graphed=True),
+        "model_only_eager_images_per_s": eager, "model_only_graphed_images_per_s": graphed,
         "decode_one_process_images_per_s": decode_ceiling(checkpoint, paths),
         "embed_workers_0_images_per_s": run_embed(checkpoint, str(root / "images"), root / "w0.parquet",
                                                   args.batch_size, 0),
