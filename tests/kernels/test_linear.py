@@ -21,7 +21,7 @@ from vit_triton.kernels._common import num_programs
 from vit_triton.kernels._tune import Config
 from vit_triton.kernels.linear import (
     FLOAT32, INTERPRETER, LARGE_M, MAX_SPLITS, SMALL_M, SPLIT_MAX_TILES, SPLIT_MIN_DEPTH, SPLIT_PROGRAMS, SPLIT_TILE,
-    TINY_M, whole_wave_rows,
+    THREE_HALVES_192, TINY_M, whole_wave_rows,
 )
 from vit_triton.kernels.tf32 import TF32_WEIGHT_ROWS
 
@@ -256,6 +256,21 @@ def test_every_candidate_config(dtype, strided, monkeypatch):
     for config in configs:
         monkeypatch.setattr(LINEAR, "_candidates", lambda m, element, config=config: [config])
         check(linear(x, w, b, activation="gelu", residual=r), torch_linear("gelu"), x, w, b, r)
+
+
+@each_dtype
+@pytest.mark.parametrize("strided", [False, True], ids=["tma", "pointers"])
+def test_three_halves_tiles(dtype, strided, monkeypatch):
+    # Tiles of 1.5 times a power of two, each four products of power-of-two boxes: (32 + 16) x (32 + 16), and
+    # in 16 bits the shipped (128 + 64) x (128 + 64). M, N and K cut tiles, boxes and K steps, through descriptors
+    # or masked pointers, with every activation, a residual and a scale, and as split K's partial sums.
+    for config in (Config(48, 48, 32, 4, 1),) + ((THREE_HALVES_192,) if dtype != torch.float32 else ()):
+        monkeypatch.setattr(LINEAR, "_candidates", lambda m, element, config=config: [config])
+        x, w, b, r = inputs(100, 77, 70, dtype, strided=strided)
+        for act in ACTIVATIONS:
+            check(linear(x, w, b, activation=act, residual=r, scale=0.5), torch_linear(act, 0.5), x, w, b, r)
+        parts = linear_partials(x, w, b, 2)
+        check(parts.sum(0).to(dtype), torch_linear("none"), x, w, b, None)
 
 
 def test_whole_wave_rows_splits_a_short_last_wave_of_a_shallow_launch():

@@ -22,7 +22,9 @@ steps (benchmarks/NOTES.md 51). The descriptors are built on the host and
 passed as kernel parameters: built in the kernel, each program spent 2-3 us on them before its
 first load, a third of a GEMM's time at one image (benchmarks/NOTES.md). A product whose last wave
 of tiles would leave most SMs idle runs as two launches: the rows of its whole waves, then the rest
-with a config tuned for them (whole_wave_rows).
+with a config tuned for them (whole_wave_rows). Tiles of 1.5 times a power of two (THREE_HALVES: 192 x 192,
+the tile cuBLAS runs, whose whole waves 32 ViT-B/16 images fill on 132 SMs) are four products of
+power-of-two boxes, x's rows in 128 + 64 by W's in 128 + 64; their residual and y go through pointers.
 
 The launch config (tile, warps, stages, persistence) is chosen per shape by timing a short list of
 candidates (_tune.py), since the descriptors depend on it; each candidate is timed as the launches it
@@ -132,9 +134,13 @@ WIDE_RESIDUAL = Config(128, 256, 32, 8, 4)
 # Candidates by dtype and row count, from sweeps on an H100 and an H200 at ViT-S/B/L shapes
 # (scripts/sweep_kernels.py, benchmarks/NOTES.md). Each list is short: every candidate of a new
 # shape is compiled and timed once.
+# 192 x 192 tiles (THREE_HALVES, one a program): 32 ViT-B/16 images fill whole waves of them on 132 SMs; fc2 there
+# 1.14x faster than its pair of launches of 128-row tiles, the forward 1.036x (benchmarks/NOTES.md 67, 68).
+THREE_HALVES_192 = Config(192, 192, 64, 8, 4, 0)
 LARGE_M = [
     Config(128, 256, 64, 8, 3), Config(128, 128, 64, 8, 5), Config(128, 128, 64, 4, 4),
     Config(128, 128, 128, 8, 3), Config(256, 128, 64, 8, 3), Config(128, 128, 64, 8, 4), WIDE_RESIDUAL,
+    THREE_HALVES_192,
 ]
 SMALL_M = [   # a few thousand rows (ViT-B/16, 8 images): 128-row tiles, about one wave
     Config(128, 256, 64, 8, 3), Config(128, 128, 64, 8, 4), Config(128, 128, 64, 4, 4),
@@ -173,8 +179,65 @@ def _tile_coords(tile, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _x_tile(x, m0, k, M, K, stride_xm, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr):
+    """x[m0 : m0 + ROWS, k * BLOCK_K : (k + 1) * BLOCK_K], zeros outside [M, K]."""
+    if USE_TMA:  # the TMA zero-fills what lies outside [M, K]
+        tile = x.load([m0, k * BLOCK_K])
+    else:
+        rows = m0 + tl.arange(0, ROWS)
+        cols = k * BLOCK_K + tl.arange(0, BLOCK_K)
+        tile = tl.load(x + rows[:, None].to(tl.int64) * stride_xm + cols[None, :],
+                       mask=(rows < M)[:, None] & (cols[None, :] < K), other=0.0)
+    return tile
+
+
+@triton.jit
+def _wt_tile(w, n0, k, N, K, stride_wn, COLS: tl.constexpr, BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr):
+    """W^T[k * BLOCK_K : (k + 1) * BLOCK_K, n0 : n0 + COLS] (W read K-major), zeros outside [N, K]."""
+    if USE_TMA:
+        tile = w.load([n0, k * BLOCK_K]).T
+    else:
+        cols = n0 + tl.arange(0, COLS)
+        ks = k * BLOCK_K + tl.arange(0, BLOCK_K)
+        tile = tl.load(w + cols[None, :].to(tl.int64) * stride_wn + ks[:, None],
+                       mask=(cols < N)[None, :] & (ks[:, None] < K), other=0.0)
+    return tile
+
+
+@triton.jit
+def _epilogue(acc, m0, n0, split, M, N, b_ptr, r, y, stride_rm, stride_ym, scale,
+              HAS_BIAS: tl.constexpr, ACT: tl.constexpr, ONE_TANH: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+              HAS_SCALE: tl.constexpr, Y_TF32: tl.constexpr, R_TMA: tl.constexpr, Y_TMA: tl.constexpr):
+    """Bias, activation, residual, scale on the fp32 tile acc of y at (m0, n0), then its one store: through
+    TMA descriptors where R_TMA, Y_TMA (clipped to [M, N]), else pointers; slice `split` of split K's partial
+    sums is rows split*M... of y viewed as [SPLIT_K*M, N]."""
+    offs_m = m0 + tl.arange(0, acc.shape[0])
+    offs_n = n0 + tl.arange(0, acc.shape[1])
+    mask_n = offs_n < N
+    if HAS_BIAS:  # once: slice 0 adds it
+        acc += tl.load(b_ptr + offs_n, mask=mask_n & (split == 0), other=0.0).to(tl.float32)[None, :]
+    acc = _activation(acc, ACT, ONE_TANH)
+    mask = (offs_m < M)[:, None] & mask_n[None, :]
+    rows = offs_m[:, None].to(tl.int64)
+    if HAS_RESIDUAL:
+        if R_TMA:
+            acc += r.load([m0, n0]).to(tl.float32)
+        else:
+            acc += tl.load(r + rows * stride_rm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_SCALE:
+        acc *= scale
+    if Y_TF32:
+        acc = to_tf32(acc)
+    if Y_TMA:
+        y.store([m0, n0], cast(acc, y.dtype))
+    else:
+        tl.store(y + (rows + split * M) * stride_ym + offs_n[None, :], cast(acc, y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _linear_kernel(
-    x, w, b_ptr, r, y,   # x, w, r, y: TMA descriptors if USE_TMA, else pointers
+    x, w, b_ptr, r, y,   # x, w, r, y: TMA descriptors if USE_TMA (r, y: see R_TMA, Y_TMA below), else pointers
+    x_lo, w_lo,          # THREE_HALVES with USE_TMA: descriptors of x's and W's half-height boxes, else None
     w_ptr,               # W's first element, for the prefetch
     M, N, K,
     stride_xm, stride_wn, stride_rm, stride_ym, scale,
@@ -184,6 +247,7 @@ def _linear_kernel(
     Y_TF32: tl.constexpr,   # y is stored rounded to tf32
     USE_TMA: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
     SPLIT_K: tl.constexpr,   # > 1: y is a pointer to fp32 partial sums [SPLIT_K, M, N], no epilogue but the bias
+    THREE_HALVES: tl.constexpr,   # tiles of 1.5 BLOCK_M x 1.5 BLOCK_N: four products of power-of-two boxes
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     if PREFETCH:
@@ -196,62 +260,62 @@ def _linear_kernel(
             offs = i + tl.arange(0, PREFETCH_LINES)
             prefetch_l2(w_ptr + offs.to(tl.int64) * per_line, offs < lines)
     wait_for_previous_kernel(PDL)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
+    # A tile's rows and columns; with THREE_HALVES each in a box of BLOCK and one of BLOCK / 2.
+    TILE_M: tl.constexpr = BLOCK_M + BLOCK_M // 2 if THREE_HALVES else BLOCK_M
+    TILE_N: tl.constexpr = BLOCK_N + BLOCK_N // 2 if THREE_HALVES else BLOCK_N
+    # r and y of a THREE_HALVES tile go through pointers (a descriptor has one box shape); so do a residual
+    # product's y and split K's partial sums (module docstring).
+    R_TMA: tl.constexpr = USE_TMA and not THREE_HALVES
+    Y_TMA: tl.constexpr = USE_TMA and SPLIT_K == 1 and not HAS_RESIDUAL and not THREE_HALVES
+    num_m = tl.cdiv(M, TILE_M)
+    num_n = tl.cdiv(N, TILE_N)
     num_tiles = num_m * num_n
     # Every slice runs the same number of K steps (the last one's past K read zeros): a loop-invariant
     # trip count keeps the two loops one flat pipeline.
     slice_steps = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
-    offs_k = tl.arange(0, BLOCK_K)
     # Each program walks (tile, slice) items pid, pid + grid, ...; flattening the two loops lets the
-    # pipeliner issue the next tile's first loads while this tile's epilogue runs.
-    for item in tl.range(tl.program_id(0), num_tiles * SPLIT_K, tl.num_programs(0), flatten=True):
+    # pipeliner issue the next tile's first loads while this tile's epilogue runs. Not the four accumulators
+    # of THREE_HALVES: flattened, they leave no registers and ptxas serialises the wgmmas.
+    FLATTEN: tl.constexpr = not THREE_HALVES
+    for item in tl.range(tl.program_id(0), num_tiles * SPLIT_K, tl.num_programs(0), flatten=FLATTEN):
         tile = item % num_tiles
         if SPLIT_K > 1:
             split = item // num_tiles
         else:
             split = 0
         pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_m = offs_m < M
-        mask_n = offs_n < N
+        m0 = pid_m * TILE_M
+        n0 = pid_n * TILE_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if THREE_HALVES:   # acc, right (acc_n), below (acc_m), corner (acc_mn)
+            acc_n = tl.zeros((BLOCK_M, BLOCK_N // 2), dtype=tl.float32)
+            acc_m = tl.zeros((BLOCK_M // 2, BLOCK_N), dtype=tl.float32)
+            acc_mn = tl.zeros((BLOCK_M // 2, BLOCK_N // 2), dtype=tl.float32)
         for step in range(0, slice_steps):
             k = split * slice_steps + step
-            if USE_TMA:  # the TMA zero-fills what lies outside [M, K] and [N, K]
-                a = x.load([pid_m * BLOCK_M, k * BLOCK_K])
-                bt = w.load([pid_n * BLOCK_N, k * BLOCK_K]).T
-            else:
-                cols = k * BLOCK_K + offs_k
-                a = tl.load(x + offs_m[:, None].to(tl.int64) * stride_xm + cols[None, :],
-                            mask=mask_m[:, None] & (cols[None, :] < K), other=0.0)
-                bt = tl.load(w + offs_n[None, :].to(tl.int64) * stride_wn + cols[:, None],
-                             mask=mask_n[None, :] & (cols[:, None] < K), other=0.0)
+            a = _x_tile(x, m0, k, M, K, stride_xm, BLOCK_M, BLOCK_K, USE_TMA)
+            bt = _wt_tile(w, n0, k, N, K, stride_wn, BLOCK_N, BLOCK_K, USE_TMA)
             acc = mma(a, bt, acc, INPUT_PRECISION, X_TF32, W_TF32)
+            if THREE_HALVES:
+                a_lo = _x_tile(x_lo if USE_TMA else x, m0 + BLOCK_M, k, M, K, stride_xm, BLOCK_M // 2, BLOCK_K,
+                               USE_TMA)
+                bt_lo = _wt_tile(w_lo if USE_TMA else w, n0 + BLOCK_N, k, N, K, stride_wn, BLOCK_N // 2, BLOCK_K,
+                                 USE_TMA)
+                acc_n = mma(a, bt_lo, acc_n, INPUT_PRECISION, X_TF32, W_TF32)
+                acc_m = mma(a_lo, bt, acc_m, INPUT_PRECISION, X_TF32, W_TF32)
+                acc_mn = mma(a_lo, bt_lo, acc_mn, INPUT_PRECISION, X_TF32, W_TF32)
 
         if item + tl.num_programs(0) >= num_tiles * SPLIT_K:  # this program's last tile
             start_next_kernel(PDL)
-        if HAS_BIAS:  # once: slice 0 adds it
-            acc += tl.load(b_ptr + offs_n, mask=mask_n & (split == 0), other=0.0).to(tl.float32)[None, :]
-        acc = _activation(acc, ACT, ONE_TANH)
-        mask = mask_m[:, None] & mask_n[None, :]
-        rows = offs_m[:, None].to(tl.int64)
-        if HAS_RESIDUAL:
-            if USE_TMA:
-                acc += r.load([pid_m * BLOCK_M, pid_n * BLOCK_N]).to(tl.float32)
-            else:
-                acc += tl.load(r + rows * stride_rm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-        if HAS_SCALE:
-            acc *= scale
-        if Y_TF32:
-            acc = to_tf32(acc)
-        if USE_TMA and SPLIT_K == 1 and not HAS_RESIDUAL:  # the store is clipped to [M, N]
-            y.store([pid_m * BLOCK_M, pid_n * BLOCK_N], cast(acc, y.dtype))
-        else:
-            # A residual product's y (module docstring). Split K: slice `split` of the partial sums is rows
-            # split*M... of y viewed as [SPLIT_K*M, N].
-            tl.store(y + (rows + split * M) * stride_ym + offs_n[None, :], cast(acc, y.dtype.element_ty), mask=mask)
+        _epilogue(acc, m0, n0, split, M, N, b_ptr, r, y, stride_rm, stride_ym, scale,
+                  HAS_BIAS, ACT, ONE_TANH, HAS_RESIDUAL, HAS_SCALE, Y_TF32, R_TMA, Y_TMA)
+        if THREE_HALVES:
+            _epilogue(acc_n, m0, n0 + BLOCK_N, split, M, N, b_ptr, r, y, stride_rm, stride_ym, scale,
+                      HAS_BIAS, ACT, ONE_TANH, HAS_RESIDUAL, HAS_SCALE, Y_TF32, R_TMA, Y_TMA)
+            _epilogue(acc_m, m0 + BLOCK_M, n0, split, M, N, b_ptr, r, y, stride_rm, stride_ym, scale,
+                      HAS_BIAS, ACT, ONE_TANH, HAS_RESIDUAL, HAS_SCALE, Y_TF32, R_TMA, Y_TMA)
+            _epilogue(acc_mn, m0 + BLOCK_M, n0 + BLOCK_N, split, M, N, b_ptr, r, y, stride_rm, stride_ym, scale,
+                      HAS_BIAS, ACT, ONE_TANH, HAS_RESIDUAL, HAS_SCALE, Y_TF32, R_TMA, Y_TMA)
 
 
 # The tuner's disk cache is keyed by this file: a change to the kernel or the candidates starts afresh.
@@ -417,24 +481,30 @@ def whole_wave_rows(M: int, N: int, config: Config, device: torch.device) -> int
 
 def launch_linear(config: Config, x, weight, bias, residual, out, scale: float, flags: dict) -> None:
     """One launch of the kernel with this config (checked inputs, flags as linear or linear_partials
-    make them)."""
+    make them). A tile side that is not a power of two is 1.5 times one (THREE_HALVES)."""
     M, K = x.shape
     N = weight.shape[0]
-    bm, bn, bk, warps, stages, persistent = config
+    tile_m, tile_n, bk, warps, stages, persistent = config
+    three_halves = tile_m & (tile_m - 1) != 0
+    bm, bn = (tile_m * 2 // 3, tile_n * 2 // 3) if three_halves else (tile_m, tile_n)
     splits = flags["SPLIT_K"]
+    x_arg, w_arg, r_arg, y_arg, x_lo, w_lo = x, weight, residual, out, None, None   # pointers, or:
     if flags["USE_TMA"]:
         x_arg = TensorDescriptor.from_tensor(x, [bm, bk])
         w_arg = TensorDescriptor.from_tensor(weight, [bn, bk])
-        r_arg = None if residual is None else TensorDescriptor.from_tensor(residual, [bm, bn])
-        y_arg = TensorDescriptor.from_tensor(out, [bm, bn]) if splits == 1 and residual is None else out
-    else:
-        x_arg, w_arg, r_arg, y_arg = x, weight, residual, out
-    items = triton.cdiv(M, bm) * triton.cdiv(N, bn) * splits
+        if three_halves:   # r and y stay pointers
+            x_lo = TensorDescriptor.from_tensor(x, [bm // 2, bk])
+            w_lo = TensorDescriptor.from_tensor(weight, [bn // 2, bk])
+        elif residual is not None:   # y stays a pointer
+            r_arg = TensorDescriptor.from_tensor(residual, [bm, bn])
+        elif splits == 1:
+            y_arg = TensorDescriptor.from_tensor(out, [bm, bn])
+    items = triton.cdiv(M, tile_m) * triton.cdiv(N, tile_n) * splits
     launch_pdl = pdl(x.device, items)
     grid = (min(items, num_programs(x.device) * persistent) if persistent else items,)
     _linear_kernel[grid](
-        x_arg, w_arg, bias, r_arg, y_arg, weight,
+        x_arg, w_arg, bias, r_arg, y_arg, x_lo, w_lo, weight,
         M, N, K, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), scale,
-        **flags, **launch_pdl, PREFETCH=launch_pdl["PDL"] != PDL_OFF,
+        **flags, **launch_pdl, PREFETCH=launch_pdl["PDL"] != PDL_OFF, THREE_HALVES=three_halves,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages,
     )
