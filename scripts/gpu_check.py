@@ -79,7 +79,8 @@ def check_model(name, ref32, convert, run_ref, rows, precisions, batches, save) 
                     raise AssertionError(f"{name} b={batch} {dtype}: CUDA-graph replay differs from the eager forward")
                 theirs = run_ref(ref, x)
                 ms_ours = triton.testing.do_bench(lambda: graphed(x), warmup=50, rep=200, return_mode="median")
-                ms_ref = triton.testing.do_bench(lambda: run_ref(ref, x)[1], warmup=50, rep=200, return_mode="median")
+                ms_ref = triton.testing.do_bench(lambda model=ref: run_ref(model, x)[1], warmup=50, rep=200,
+                                                 return_mode="median")
             for what, g, t, w in zip(("features", "output"), got, theirs, want):
                 err, ref_err = rel_err(g, w), rel_err(t, w)
                 tol = tolerance(dtype, ref_err)
