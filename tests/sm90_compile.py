@@ -25,7 +25,7 @@ from vit_triton.kernels.layer_norm import _layer_norm_kernel  # noqa: E402
 from vit_triton.kernels._common import PDL_EARLY, PDL_LATE  # noqa: E402
 from vit_triton.kernels._tune import Config  # noqa: E402
 from vit_triton.kernels.linear import (  # noqa: E402
-    ACTIVATIONS, FLOAT32, LARGE_M, THREE_HALVES_192, TINY_M, WIDE_RESIDUAL, _linear_kernel, one_tanh,
+    ACTIVATIONS, FLOAT32, LARGE_M, THREE_HALVES_192, TINY_M, WIDE_RESIDUAL, _linear_kernel, boxes, one_tanh,
 )
 from vit_triton.kernels.patch_embed import _patch_embed_kernel  # noqa: E402
 from vit_triton.kernels.tf32 import _round_to_tf32_kernel  # noqa: E402
@@ -75,10 +75,10 @@ def compile_kernel(kernel, dtype: str, options: dict, constexprs: dict, descript
 
 def linear_case(name: str, dtype: str, config: Config, pdl: int = PDL_LATE, split_k: int = 1, **flags):
     """linear with this launch config, prefetching its weights; USE_TMA passes x, w, r and y (but a
-    residual product's y and split K's fp32 partial sums) as descriptors of its tiles."""
-    tile_m, tile_n, bk, warps, stages, _ = config
-    three_halves = tile_m & (tile_m - 1) != 0   # as launch_linear
-    bm, bn = (tile_m * 2 // 3, tile_n * 2 // 3) if three_halves else (tile_m, tile_n)
+    residual product's y and split K's fp32 partial sums) as descriptors of its tiles, or with THREE_HALVES
+    x and w in both box heights, r and y as pointers."""
+    _, _, bk, warps, stages, _ = config
+    bm, bn, three_halves = boxes(config)
     defaults = dict(X_TF32=False, W_TF32=False, Y_TF32=False, ONE_TANH=one_tanh(torch_dtype(dtype), flags["ACT"]))
     constexprs = dict(defaults | flags, PDL=pdl, PREFETCH=True, SPLIT_K=split_k, THREE_HALVES=three_halves,
                       BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8)

@@ -479,14 +479,22 @@ def whole_wave_rows(M: int, N: int, config: Config, device: torch.device) -> int
     return rows if 0 < last <= WAVE_SPLIT_FILL * slots and idle >= WAVE_SPLIT_IDLE and 0 < rows < M else M
 
 
+def boxes(config: Config) -> tuple[int, int, bool]:
+    """The kernel's (BLOCK_M, BLOCK_N, THREE_HALVES) for a config: its tile, or, for a tile whose sides are not
+    powers of two (1.5 times one), the larger box of each side."""
+    three_halves = config.block_m & (config.block_m - 1) != 0
+    if three_halves:
+        return config.block_m * 2 // 3, config.block_n * 2 // 3, True
+    return config.block_m, config.block_n, False
+
+
 def launch_linear(config: Config, x, weight, bias, residual, out, scale: float, flags: dict) -> None:
     """One launch of the kernel with this config (checked inputs, flags as linear or linear_partials
-    make them). A tile side that is not a power of two is 1.5 times one (THREE_HALVES)."""
+    make them)."""
     M, K = x.shape
     N = weight.shape[0]
     tile_m, tile_n, bk, warps, stages, persistent = config
-    three_halves = tile_m & (tile_m - 1) != 0
-    bm, bn = (tile_m * 2 // 3, tile_n * 2 // 3) if three_halves else (tile_m, tile_n)
+    bm, bn, three_halves = boxes(config)
     splits = flags["SPLIT_K"]
     x_arg, w_arg, r_arg, y_arg, x_lo, w_lo = x, weight, residual, out, None, None   # pointers, or:
     if flags["USE_TMA"]:
