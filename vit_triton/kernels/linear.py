@@ -135,7 +135,8 @@ WIDE_RESIDUAL = Config(128, 256, 32, 8, 4)
 # (scripts/sweep_kernels.py, benchmarks/NOTES.md). Each list is short: every candidate of a new
 # shape is compiled and timed once.
 # 192 x 192 tiles (THREE_HALVES, one a program): 32 ViT-B/16 images fill whole waves of them on 132 SMs; fc2 there
-# 1.14x faster than its pair of launches of 128-row tiles, the forward 1.036x (benchmarks/NOTES.md 67, 68).
+# 1.14x faster than its pair of launches of 128-row tiles, the forward 1.02-1.036x; ViT-S/16 at 64 images 1.07x.
+# Picked nowhere else measured (ViT-B/16 at 16-256 images, ViT-L; benchmarks/NOTES.md 67-69).
 THREE_HALVES_192 = Config(192, 192, 64, 8, 4, 0)
 LARGE_M = [
     Config(128, 256, 64, 8, 3), Config(128, 128, 64, 8, 5), Config(128, 128, 64, 4, 4),
