@@ -2,24 +2,16 @@
 (the layout Nsight Compute 2025.3 writes; its counters are read on the device: benchmarks/NOTES.md 52)."""
 
 import csv
-import importlib.util
 import io
 from functools import partial
 
 import pytest
 import torch
 
-from tests.scripts import ROOT, run_script
+from tests.scripts import load_script, run_script
 
 NVTX = "thread Domain:Push/Pop_Range:PL_Type:PL_Value:CLR_Type:Color:Msg_Type:Msg"
 run = partial(run_script, "ncu_block.py")
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("ncu_block", ROOT / "scripts" / "ncu_block.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize("args, message", [
@@ -63,7 +55,7 @@ def test_details_are_read_one_entry_a_kernel_in_launch_order_with_units_made_one
         ("1", "b1_layer_norm_torch", "vectorized_layer_norm_kernel", "Duration", "ns", "9,999"),   # first kept
         ("2", "", "nvjet_sm90", "Registers Per Thread", "register/thread", "168"),
     ])
-    kernels = load_script().parse_details(text)
+    kernels = load_script("ncu_block.py").parse_details(text)
     assert [k["range"] for k in kernels] == ["b256_linear_qkv_ours", "b1_layer_norm_torch", ""]
     assert [k["kernel"] for k in kernels] == ["_linear_kernel", "vectorized_layer_norm_kernel", "nvjet_sm90"]
     qkv, norm, other = (k["metrics"] for k in kernels)
