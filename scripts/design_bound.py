@@ -29,6 +29,7 @@ import vit_triton.model.vit as vit_module
 from vit_triton.bench.numerics import randomize_
 from vit_triton.bench.power import Board
 from vit_triton.bench.systems import COMPILE_MODES, _allow_recompiles, timm_model
+from vit_triton.cli import batch_sizes
 from vit_triton.model import PRESETS, ViT
 from vit_triton.runtime import CUDAGraphRunner
 
@@ -87,12 +88,6 @@ def measure(model_name: str, batch: int, modes: list[str], rounds: int, board: B
                          sustained_ms=spent[name]["ms"], mj_per_image=1000 * spent[name]["joules"] / batch,
                          watts=spent[name]["watts"], sm_mhz=spent[name]["sm_mhz"]))
     return rows
-
-
-def batch_sizes(text: str) -> list[int]:
-    if not re.fullmatch(r"[1-9]\d*(,[1-9]\d*)*", text):
-        raise argparse.ArgumentTypeError(f"--batch-sizes must be comma-separated positive integers, got {text!r}")
-    return [int(b) for b in text.split(",")]
 
 
 def round_count(text: str) -> int:

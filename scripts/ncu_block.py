@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from vit_triton.bench.workloads import forward_workloads
-from vit_triton.cli import torch_dtype
+from vit_triton.cli import batch_sizes, torch_dtype
 from vit_triton.kernels import linear
 from vit_triton.model import PRESETS
 from vit_triton.pipelines.store import write_atomic
@@ -47,12 +47,6 @@ RANGE = re.compile(r'"<default domain>:([^:"]+)')   # the innermost push/pop ran
 # ncu scales units to the value; each metric is kept in one unit: unit -> (kept unit, factor)
 UNITS = {"ns": ("us", 1e-3), "us": ("us", 1.0), "ms": ("us", 1e3), "s": ("us", 1e6), "Mhz": ("GHz", 1e-3),
          "Ghz": ("GHz", 1.0), "Mbyte/s": ("GB/s", 1e-3), "Gbyte/s": ("GB/s", 1.0), "Tbyte/s": ("GB/s", 1e3)}
-
-
-def batch_sizes(text: str) -> list[int]:
-    if not re.fullmatch(r"\d+(,\d+)*", text) or 0 in (sizes := [int(b) for b in text.split(",")]):
-        raise argparse.ArgumentTypeError(f"--batch-sizes must be comma-separated positive integers, got {text!r}")
-    return sizes
 
 
 def launch(model: str, batches: list[int], dtype: torch.dtype) -> None:

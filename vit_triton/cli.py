@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import textwrap
 
@@ -154,6 +155,13 @@ def torch_dtype(name: str):
     import torch
 
     return getattr(torch, DTYPES["fp32" if name == "tf32" else name])
+
+
+def batch_sizes(text: str) -> list[int]:
+    """A --batch-sizes value of the measuring scripts (scripts/): comma-separated positive integers, in order."""
+    if not re.fullmatch(r"\d+(,\d+)*", text) or 0 in (sizes := [int(b) for b in text.split(",")]):
+        raise argparse.ArgumentTypeError(f"--batch-sizes must be comma-separated positive integers, got {text!r}")
+    return sizes
 
 
 def _bench(args: argparse.Namespace) -> int:
