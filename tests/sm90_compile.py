@@ -4,8 +4,9 @@ The interpreter executes kernels as Python and accepts code that Triton's compil
 non-constexpr global, say); this compiles each kernel's first autotune config for every dtype
 and epilogue through to a cubin (as launched on Hopper, with programmatic dependent launch), and
 prints how many wgmma, TMA (cp.async.bulk.tensor), asynchronous copy (cp.async), griddepcontrol
-and L2 prefetch instructions each PTX holds (the prefetches: in all, and before the wait), and
-whether the next kernel is let launch before the first load after the wait (PDL_EARLY).
+and L2 prefetch instructions each PTX holds (the prefetches: in all, and before the wait), how many
+global loads, stores and copies come before the wait, and whether the next kernel is let launch
+before the first load after the wait (PDL_EARLY).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ FLOAT_ARGS = {"eps", "qk_scale", "scale"}
 # and copies nothing ahead, so the PTX here would not be the one the GPU runs.
 ALIGNED_INTS = re.compile(r"[NKD]|stride_\w+|s[qkvo]_[bth]")
 LINEAR_OPERANDS = {"x", "w", "r", "y"}   # linear's matrices: pointers, or descriptors with USE_TMA
+# Global loads, stores, copies and atomics in PTX (not the L2 prefetch, an inline asm block of its own).
+MEMORY_OP = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:(?:ld|st)\.global|cp\.async|atom\.|red\.)", re.M)
 
 
 def compile_kernel(kernel, dtype: str, options: dict, constexprs: dict, descriptors: dict | None = None) -> str:
@@ -157,6 +160,7 @@ def main() -> None:
         print(f"{name} {dtype} wgmma={ptx.count('wgmma.mma_async')} tma={ptx.count('cp.async.bulk.tensor')} "
               f"cpasync={ptx.count('cp.async.cg') + ptx.count('cp.async.ca')} "
               f"gdc={ptx.count('griddepcontrol.wait')},{ptx.count('griddepcontrol.launch_dependents')} "
+              f"memory_before_wait={len(MEMORY_OP.findall(prologue))} "
               f"prefetch={ptx.count('prefetch.global.L2')},{prologue.count('prefetch.global.L2')} "
               f"trigger_before_loads={int(0 <= first_trigger < first_load)} "
               f"sfu={ptx.count('ex2.approx')},{ptx.count('rcp.approx')},{ptx.count('tanh.approx')}", flush=True)

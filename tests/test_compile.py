@@ -34,6 +34,9 @@ def test_kernels_compile_for_sm90_with_wgmma():
         # next one launch: right after the wait (PDL_EARLY, before any load), or before its last
         # stores (linear's loop holds that twice).
         assert all(wait == 1 and launch >= 1 for _, _, _, [wait, launch], *_ in found), (name, dtype, found)
+        # Nothing reads or writes global memory before the wait: the kernel before may still be writing
+        # this one's inputs, or reading memory that this one's outputs reuse.
+        assert all(before == 0 for _, _, _, _, [before], *_ in found), (name, dtype, found)
         assert all(first == early for *_, [first], _ in found), (name, dtype, found)
         # linear prefetches its weights, every prefetch ahead of the wait; no other kernel prefetches.
         if name.startswith("linear"):
