@@ -216,9 +216,12 @@ def test_attention_flags(one_config, tf32):
 
 
 @pytest.mark.parametrize("tf32", [True, False], ids=["tf32", "ieee"])
-def test_layer_norm_flags(tf32):
-    x, w, b = rand(21, 40, dtype=F32), rand(40, dtype=F32), rand(40, dtype=F32)
-    parts = rand(2, 21, 40, dtype=F32)
+@pytest.mark.parametrize("rows, width", [(4099, 64), (343, 768)])
+def test_layer_norm_flags(tf32, rows, width):
+    # About 2.6e5 values: on an H100 two builds of the kernel once fused different squares of the variance
+    # into FMAs, and one rounded value in about 10^5 came out a tf32 step off (benchmarks/NOTES.md 74).
+    x, w, b = rand(rows, width, dtype=F32, scale=3.0, shift=1.0), rand(width, dtype=F32), rand(width, dtype=F32)
+    parts = rand(2, rows, width, dtype=F32)
     with tf32_matmuls() if tf32 else contextlib.nullcontext():
         plain = layer_norm(x, w, b, 1e-6)
         assert torch.equal(layer_norm(x, w, b, 1e-6, tf32_output=True), rounded(plain) if tf32 else plain)

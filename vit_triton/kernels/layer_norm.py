@@ -26,13 +26,13 @@ from ._common import (
 )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["y_tf32"])
 def _layer_norm_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
     parts_ptr, sum_ptr,   # add_layer_norm only: the partial sums [NUM_PARTS, M, D], x + their sum [M, D]
     M, D, stride_xm, stride_ym, eps,
-    NUM_PARTS: tl.constexpr, Y_TF32: tl.constexpr,   # Y_TF32: y stored rounded to tf32
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+    y_tf32,   # 1: a float32 y stored rounded to tf32
+    NUM_PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     # Last rows first: the GEMM before wrote them last, so at large batch they are the ones still in L2.
@@ -54,8 +54,12 @@ def _layer_norm_kernel(
     w = tl.load(w_ptr + cols, mask=mask_d, other=0.0).to(tl.float32)
     b = tl.load(b_ptr + cols, mask=mask_d, other=0.0).to(tl.float32)
     y = diff * rstd[:, None] * w[None, :] + b[None, :]
-    if Y_TF32:
-        y = to_tf32(y)
+    if y_ptr.dtype.element_ty == tl.float32:
+        # y_tf32 is read at run time, so that the rounded y is the unrounded one's rounding bit for bit. Two
+        # builds of this kernel may fuse different products of the sum of squares into FMAs (d0*d0 + d1*d1
+        # as fma(d0, d0, d1*d1) or fma(d1, d1, d0*d0)), and one y in about 10^5 then rounds the other way
+        # (benchmarks/NOTES.md 74).
+        y = tl.where(y_tf32 != 0, to_tf32(y), y)
     start_next_kernel(PDL)
     tl.store(y_ptr + rows * stride_ym + cols[None, :], cast(y, y_ptr.dtype.element_ty), mask=mask)
 
@@ -130,8 +134,7 @@ def _launch(x, weight, bias, out, eps: float, parts: torch.Tensor | None, total:
     num_warps = min(16, max(1, block_m * block_d // 512))
     _layer_norm_kernel[(triton.cdiv(M, block_m),)](
         x, weight.contiguous(), bias.contiguous(), out, parts, total,
-        M, D, x.stride(0), out.stride(0), eps,
+        M, D, x.stride(0), out.stride(0), eps, int(tf32_output and input_precision(x.dtype, None) == "tf32"),
         NUM_PARTS=0 if parts is None else parts.shape[0],
-        Y_TF32=tf32_output and input_precision(x.dtype, None) == "tf32",
         BLOCK_M=block_m, BLOCK_D=block_d, num_warps=num_warps, **pdl(x.device, triton.cdiv(M, block_m)),
     )
