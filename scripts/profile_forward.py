@@ -27,7 +27,7 @@ import vit_triton
 from vit_triton.bench.costs import forward_costs
 from vit_triton.bench.numerics import randomize_
 from vit_triton.bench.workloads import forward_workloads
-from vit_triton.cli import torch_dtype
+from vit_triton.cli import batch_sizes, torch_dtype
 from vit_triton.model import PRESETS, ViT, ViTConfig
 
 LINEAR = importlib.import_module("vit_triton.kernels.linear")   # the module; the package exports the function
@@ -126,7 +126,7 @@ def format_breakdown(r: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="vit_base_patch16_224", choices=sorted(PRESETS))
-    parser.add_argument("--batch-sizes", default="1,8,32,256")
+    parser.add_argument("--batch-sizes", type=batch_sizes, default=[1, 8, 32, 256])
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
     parser.add_argument("--replay-only", action="store_true", help="skip timing each kernel alone")
     parser.add_argument("--json", help="write the breakdowns here")
@@ -135,7 +135,7 @@ def main() -> None:
     cfg = PRESETS[args.model]
     model = randomize_(ViT(cfg, device="cuda")).to(dtype).eval()
     results = []
-    for batch in (int(b) for b in args.batch_sizes.split(",")):
+    for batch in args.batch_sizes:
         results.append(breakdown(model, cfg, batch, dtype, not args.replay_only))
         print(format_breakdown(results[-1]), flush=True)
     if args.json:
