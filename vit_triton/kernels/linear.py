@@ -9,7 +9,7 @@ then the residual add, then the scale, so no elementwise kernel follows the GEMM
 
 Before its wait for the previous kernel (programmatic dependent launch), each program asks L2 for
 its share of W, which no kernel writes: a GEMM launched while the previous kernel runs then reads
-its weights from L2, not HBM (ViT-B/16 at one image: 1.13x faster on an H100, benchmarks/NOTES.md 19).
+its weights from L2, not HBM (ViT-B/16 at one image: 1.13x faster on an H100).
 
 Schedule: output tiles in grouped order; a persistent config launches one (or two) programs per
 SM, each walking tiles pid, pid + grid, ... with the tile and K loops flattened, so the next
@@ -18,9 +18,9 @@ tile's loads are in flight during this tile's epilogue. When every matrix is 16-
 otherwise through masked pointer loads and stores. A product with a residual stores y through pointers
 even then: the TMA store is asynchronous, so its output tile cannot reuse the shared memory of the
 residual tile, and without that second 64 KB a 128 x 256 tile has room for three stages of 64-deep
-steps (benchmarks/NOTES.md 51). The descriptors are built on the host and
+steps. The descriptors are built on the host and
 passed as kernel parameters: built in the kernel, each program spent 2-3 us on them before its
-first load, a third of a GEMM's time at one image (benchmarks/NOTES.md). A product whose last wave
+first load, a third of a GEMM's time at one image. A product whose last wave
 of tiles would leave most SMs idle runs as two launches: the rows of its whole waves, then the rest
 with a config tuned for them (whole_wave_rows). Tiles of 1.5 times a power of two (THREE_HALVES: 192 x 192,
 the tile cuBLAS runs, whose whole waves 32 ViT-B/16 images fill on 132 SMs) are four products of
@@ -31,7 +31,7 @@ candidates (_tune.py), since the descriptors depend on it; each candidate is tim
 makes, split into two where whole_wave_rows splits it.
 
 float32 on tf32 tensor cores: operands are rounded to nearest tf32 as cuBLAS does, but not in the K
-loop where avoidable (tf32.py, benchmarks/NOTES.md 26, 29): W is read as a rounded copy kept with the
+loop where avoidable (tf32.py): W is read as a rounded copy kept with the
 weight (W_TF32), an x that its producer stored rounded is taken as it is (X_TF32), and y is stored
 rounded for a consumer that reads it as a matmul operand (Y_TF32).
 
@@ -73,7 +73,7 @@ _GELU_TANH_A = tl.constexpr(-2.0 * _SQRT_2_OVER_PI * LOG2E)  # exp(-2u) = 2^(x (
 _GELU_TANH_B = tl.constexpr(-2.0 * _SQRT_2_OVER_PI * 0.044715 * LOG2E)
 _QUICK_GELU_A = tl.constexpr(-_QUICK_GELU_K * LOG2E)
 # ONE_TANH's forms: u(x) in h + h tanh(u(x)), h = x / 2. Exact GELU's u is an odd polynomial whose tanh is closest
-# to erf(x / sqrt(2)) (minimax fits, benchmarks/NOTES.md 58, 59): of degree 3 within 2.72e-4 of x Phi(x), which
+# to erf(x / sqrt(2)) (minimax fits): of degree 3 within 2.72e-4 of x Phi(x), which
 # bf16's rounding hides (half an ulp: 2e-3 at 1) and fp16's does not (2.4e-4); of degree 5 within 2.8e-5, its x^2
 # held at 64 (|x| >= 8, where tanh(u) rounds to 1 either way) since past |x| = 10 the x^5 term would turn u down.
 _GELU_FIT3_1, _GELU_FIT3_3 = tl.constexpr(0.8001587525878255), tl.constexpr(0.034701480458530345)
@@ -94,7 +94,7 @@ def one_tanh(dtype: torch.dtype, activation: str) -> int:
 @triton.jit
 def _activation(x, ACT: tl.constexpr, ONE_TANH: tl.constexpr):
     """The activation on fp32 x, from single SFU instructions and FMAs: evaluated once an element while no
-    MMA runs, so each instruction shows at K = 768 (benchmarks/NOTES.md 13, 52, 58, 59).
+    MMA runs, so each instruction shows at K = 768.
 
     ONE_TANH > 0 (y is 16-bit; one_tanh): h + h tanh(u(x)), one SFU instruction an element where the forms below
     take two; ONE_TANH is the degree of exact GELU's u. fc1 + GELU's relative Frobenius error on an H100: bf16
@@ -129,14 +129,14 @@ def _activation(x, ACT: tl.constexpr, ONE_TANH: tl.constexpr):
 
 
 # 128 x 256 tiles in 4 stages of 32-deep steps: the residual GEMMs' pick before their y went through
-# pointers (benchmarks/NOTES.md 47, 51), still some shapes' pick since.
+# pointers, still some shapes' pick since.
 WIDE_RESIDUAL = Config(128, 256, 32, 8, 4)
 # Candidates by dtype and row count, from sweeps on an H100 and an H200 at ViT-S/B/L shapes
-# (scripts/sweep_kernels.py, benchmarks/NOTES.md). Each list is short: every candidate of a new
+# (scripts/sweep_kernels.py). Each list is short: every candidate of a new
 # shape is compiled and timed once.
 # 192 x 192 tiles (THREE_HALVES, one a program): 32 ViT-B/16 images fill whole waves of them on 132 SMs; fc2 there
 # 1.14x faster than its pair of launches of 128-row tiles, the forward 1.02-1.036x; ViT-S/16 at 64 images 1.07x.
-# Picked nowhere else measured (ViT-B/16 at 16-256 images, ViT-L; benchmarks/NOTES.md 67-69).
+# Picked nowhere else measured (ViT-B/16 at 16-256 images, ViT-L).
 THREE_HALVES_192 = Config(192, 192, 64, 8, 4, 0)
 LARGE_M = [
     Config(128, 256, 64, 8, 3), Config(128, 128, 64, 8, 5), Config(128, 128, 64, 4, 4),
@@ -215,8 +215,10 @@ def _epilogue(acc, m0, n0, split, M, N, b_ptr, r, y, stride_rm, stride_ym, scale
     offs_m = m0 + tl.arange(0, acc.shape[0])
     offs_n = n0 + tl.arange(0, acc.shape[1])
     mask_n = offs_n < N
-    if HAS_BIAS:  # once: slice 0 adds it
-        acc += tl.load(b_ptr + offs_n, mask=mask_n & (split == 0), other=0.0).to(tl.float32)[None, :]
+    if HAS_BIAS:  # once: slice 0 adds it. tl.where, not `mask_n & (split == 0)`: Triton 3.9's interpreter
+        # broadcasts a scalar comparison as int32, which a mask refuses (and 3.6's cannot branch on one).
+        first = tl.where(split == 0, mask_n, False)
+        acc += tl.load(b_ptr + offs_n, mask=first, other=0.0).to(tl.float32)[None, :]
     acc = _activation(acc, ACT, ONE_TANH)
     mask = (offs_m < M)[:, None] & mask_n[None, :]
     rows = offs_m[:, None].to(tl.int64)
@@ -323,11 +325,11 @@ def _linear_kernel(
 _TUNER = Tuner("linear", Path(__file__).read_text())
 
 
-# whole_wave_rows' rule (ViT-B/L on an H100, benchmarks/NOTES.md 46): a last wave at most this full, in a
+# whole_wave_rows' rule (ViT-B/L on an H100): a last wave at most this full, in a
 # launch that would leave at least this share of its program slots idle (deep launches lost).
 WAVE_SPLIT_FILL, WAVE_SPLIT_IDLE = 0.3, 0.125
 MAX_SPLITS = 4
-# split_k's rule (ViT-S/B/L on an H100, benchmarks/NOTES.md 22, 45): products of at most SPLIT_MAX_TILES
+# split_k's rule (ViT-S/B/L on an H100): products of at most SPLIT_MAX_TILES
 # 64 x 64 tiles an SM (32 x 32 under the interpreter) are cut into the most slices, up to MAX_SPLITS, that
 # keep the launch at most SPLIT_PROGRAMS programs an SM, each slice at least SPLIT_MIN_DEPTH deep.
 SPLIT_MAX_TILES, SPLIT_PROGRAMS = 1, 2
@@ -471,7 +473,7 @@ def whole_wave_rows(M: int, N: int, config: Config, device: torch.device) -> int
     `persistent` a SM), when its last wave would be at most WAVE_SPLIT_FILL full and leave at least
     WAVE_SPLIT_IDLE of the launch's program slots empty; else M. ViT-B/16's proj and fc2 at 16 images:
     150 tiles of 128 x 128 on 132 SMs, so 2816 rows in one wave, then 336 rows in smaller tiles
-    instead of 18 tiles on 18 SMs (benchmarks/NOTES.md 46)."""
+    instead of 18 tiles on 18 SMs."""
     slots = num_programs(device) * max(config.persistent, 1)
     num_n = triton.cdiv(N, config.block_n)
     waves, last = divmod(triton.cdiv(M, config.block_m) * num_n, slots)
