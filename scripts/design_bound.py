@@ -6,8 +6,7 @@ embedding kept. Its output is not a ViT's (it only times the same work); vit-tri
 torch.compile(timm) run beside it in one process, each replayed as a CUDA graph (the compiled peers as their mode
 runs them), timed as `vit-triton bench` times (median of CUDA events, 100 ms warm-up, 400 ms), in rounds of
 alternating order, then each for 1.5 s at a stretch with the board's energy (bench/power.py). A target above the
-bound's speed-up needs GEMMs faster than cuBLAS's or attention and LayerNorm faster than ours
-(benchmarks/NOTES.md 70).
+bound's speed-up needs GEMMs faster than cuBLAS's or attention and LayerNorm faster than ours.
 
     python scripts/design_bound.py [--model vit_base_patch16_224] [--batch-sizes 32,256]
         [--modes reduce-overhead,max-autotune-no-cudagraphs@256] [--rounds 3] [--json out.json]
@@ -29,7 +28,7 @@ import vit_triton.model.vit as vit_module
 from vit_triton.bench.numerics import randomize_
 from vit_triton.bench.power import Board
 from vit_triton.bench.systems import COMPILE_MODES, _allow_recompiles, timm_model
-from vit_triton.cli import batch_sizes
+from vit_triton.utils import batch_sizes
 from vit_triton.model import PRESETS, ViT
 from vit_triton.runtime import CUDAGraphRunner
 

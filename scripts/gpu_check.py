@@ -3,7 +3,7 @@
 google/vit-base-patch16-224 (HF ViTForImageClassification) and vit_large_patch14_clip_336 (timm),
 float32 (tf32 off) / tf32 (float32 with every matmul, ours and the reference's, on tf32) / bfloat16 /
 float16, batch 1 and 64. Features and outputs of vit-triton and of the reference model in each
-precision are compared with the reference model in float64; the DESIGN.md rule applies (fp32 <= 1e-5,
+precision are compared with the reference model in float64; the tolerance rule of docs/design.md applies (fp32 <= 1e-5,
 16-bit and tf32 <= 1.5x the reference's own error). Each row also
 times both forwards (median, CUDA events; ours replayed as a CUDA graph, after checking that the
 replay equals the eager forward bit for bit) as a first look; `vit-triton bench` is the benchmark.

@@ -11,7 +11,7 @@ gives it (a large GEMM's power-limited clock shows), and reads the report back: 
 name and the metrics in METRICS, printed and written to --json. ncu flushes the caches before each
 kernel, so launches whose inputs sit in L2 during a forward (small batches) read them from HBM here and
 look slower than in the forward: time forwards with `vit-triton bench`, this says why a kernel takes
-what it takes (benchmarks/NOTES.md 52).
+what it takes.
 
     python scripts/ncu_block.py [--model vit_base_patch16_224] [--batch-sizes 256,32,1] [--dtype bf16]
         [--json out.json] [--ncu ncu]
@@ -33,10 +33,10 @@ from pathlib import Path
 import torch
 
 from vit_triton.bench.workloads import forward_workloads
-from vit_triton.cli import batch_sizes, torch_dtype
+from vit_triton.cli import torch_dtype
 from vit_triton.kernels import linear
 from vit_triton.model import PRESETS
-from vit_triton.pipelines.store import write_atomic
+from vit_triton.utils import batch_sizes, write_atomic
 
 SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "WarpStateStats", "Occupancy", "LaunchStats",
             "SchedulerStats", "InstructionStats", "MemoryWorkloadAnalysis")

@@ -27,7 +27,8 @@ import vit_triton
 from vit_triton.bench.costs import forward_costs
 from vit_triton.bench.numerics import randomize_
 from vit_triton.bench.workloads import forward_workloads
-from vit_triton.cli import batch_sizes, torch_dtype
+from vit_triton.cli import torch_dtype
+from vit_triton.utils import batch_sizes
 from vit_triton.model import PRESETS, ViT, ViTConfig
 
 LINEAR = importlib.import_module("vit_triton.kernels.linear")   # the module; the package exports the function

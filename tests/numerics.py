@@ -17,7 +17,7 @@ __all__ = ["DEVICE", "DTYPES", "FP32_TOL", "LOW_PRECISION_FACTOR", "assert_close
 
 def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype,
                  torch_out: torch.Tensor | None = None) -> None:
-    """out within the DESIGN.md tolerance of the float64 ref; torch_out is PyTorch's own 16-bit result."""
+    """out within the docs/design.md tolerance of the float64 ref; torch_out is PyTorch's own 16-bit result."""
     err = rel_err(out, ref)
     tol = tolerance(dtype, None if torch_out is None else rel_err(torch_out, ref))
     assert err <= tol, f"{dtype}: relative error {err:.3e} > tolerance {tol:.3e}"

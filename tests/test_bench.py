@@ -110,7 +110,7 @@ def test_board_reads_energy_and_clock_on_a_gpu():
     assert 0 < spent["ms"] < 100 and 100 < spent["sm_mhz"] < 3000
     assert 30 < spent["watts"] <= 1.2 * board.power_limit_w
     picojoules_per_flop = spent["joules"] / (calls * 2 * 4096 ** 3) * 1e12
-    assert 0.1 < picojoules_per_flop < 20   # an H100 spends about 1 pJ a bf16 FLOP (benchmarks/NOTES.md 54)
+    assert 0.1 < picojoules_per_flop < 20   # an H100 spends about 1 pJ a bf16 FLOP
 
 
 @on_the_cpu

@@ -120,5 +120,5 @@ def test_hub_id_from_the_huggingface_cache(work, tmp_path):
 
     missing = _offline(tmp_path / "cache", "classify", "img0.jpg", "--model", "tiny-org/not-there")
     assert missing.returncode == 2
-    assert ("vit-triton classify: error: tiny-org/not-there: not a local directory or file, not in the "
+    assert ("vit-triton classify: error: tiny-org/not-there: no such local directory or file, not in the "
             "HuggingFace cache") in missing.stderr

@@ -1,8 +1,13 @@
 """`vit-triton verify`, the README's main job, end to end through the interpreter."""
 
+import importlib
+import re
+import sys
+
 import pytest
 
 from vit_triton.cli import main
+from vit_triton.utils import MissingExtra
 
 
 def test_verify_prints_errors_and_times(capsys):
@@ -16,13 +21,27 @@ def test_verify_prints_errors_and_times(capsys):
     assert "time per batch of 1" in out and "images/s" in out
 
 
-@pytest.mark.parametrize("args, match", [
-    (["--model", "vit_huge"], "unknown model 'vit_huge'; expected one of tiny, "),
-    (["--dtypes", "fp8"], "unknown dtype 'fp8'; expected a subset of fp32,bf16,fp16"),
+@pytest.mark.parametrize("argv, match", [
+    (["verify", "--model", "vit_huge"], "unknown model 'vit_huge'; expected one of tiny, "),
+    (["verify", "--dtypes", "fp32,fp64"], "argument --dtypes: unknown dtype 'fp64'; expected a subset of fp32,bf16,fp16"),
+    (["verify", "--batch-size", "0"], "argument --batch-size: expected a positive integer, got '0'"),
+    (["verify", "--batch-size", "-1"], "argument --batch-size: expected a positive integer, got '-1'"),
+    (["bench", "--batch-sizes", "0"], "argument --batch-sizes: expected comma-separated positive integers, got '0'"),
+    (["bench", "--batch-sizes", "1,two"], "argument --batch-sizes: expected comma-separated positive integers"),
+    (["bench", "--model", "vit_huge"], "unknown model 'vit_huge'; expected one of tiny, "),
+    (["bench", "--systems", "hf,nope"], "unknown systems ['nope']; expected a subset of vit-triton,"),
+    (["classify", "a.jpg", "--model", "m", "--top-k", "0"], "argument --top-k: expected a positive integer, got '0'"),
+    (["classify", "a.jpg", "--model", "m", "--batch-size", "x"], "argument --batch-size: expected a positive integer"),
+    (["embed", "imgs", "--model", "m", "--output", "o.npy", "--batch-size", "0"], "argument --batch-size: expected a "),
+    (["embed", "imgs", "--model", "m", "--output", "o.npy", "--chunk-size", "-3"], "argument --chunk-size: expected a "),
+    (["embed", "imgs", "--model", "m", "--output", "o.npy", "--num-workers", "-1"],
+     "argument --num-workers: expected an integer of at least 0, got '-1'"),
 ])
-def test_verify_bad_arguments(args, match):
-    with pytest.raises(SystemExit, match=match):
-        main(["verify", *args])
+def test_usage_errors_exit_2_with_the_expected_value(argv, match, capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and f"vit-triton {argv[0]}: error: " in err and match in err, err
 
 
 def test_bench_help_names_every_system(capsys):
@@ -32,3 +51,16 @@ def test_bench_help_names_every_system(capsys):
         main(["bench", "--help"])
     listed = "".join(capsys.readouterr().out.split())   # argparse wraps the help text, even inside names
     assert listed.split("comma-separatedsubsetof")[1].split("(default:all)")[0].split(",") == list(SYSTEMS)
+
+
+def test_a_missing_extra_names_the_pip_command(monkeypatch, tmp_path, capsys):
+    for module in ("pyarrow", "pyarrow.parquet", "matplotlib"):
+        monkeypatch.setitem(sys.modules, module, None)   # import fails as if not installed
+    (tmp_path / "imgs").mkdir()
+    assert main(["embed", str(tmp_path / "imgs"), "--model", "m", "--output", str(tmp_path / "o.parquet")]) == 1
+    assert capsys.readouterr().err == ('vit-triton embed: error: --output *.parquet needs pyarrow, which is not '
+                                       'installed: pip install "vit-triton[embed]"\n')
+    monkeypatch.delitem(sys.modules, "vit_triton.bench.plots", raising=False)
+    with pytest.raises(MissingExtra, match=re.escape('plots needs matplotlib, which is not installed: pip install '
+                                                     '"vit-triton[bench]"')):
+        importlib.import_module("vit_triton.bench.plots")

@@ -1,6 +1,5 @@
 """scripts/design_bound.py on a machine without a GPU: its command line, the GEMM it puts in the model's place,
-and that the model's own GEMM comes back whatever the capture does (its timings run on the device:
-benchmarks/NOTES.md 70)."""
+and that the model's own GEMM comes back whatever the capture does (its timings run on the device)."""
 
 from functools import partial
 
@@ -17,8 +16,8 @@ run = partial(run_script, "design_bound.py")
 
 @pytest.mark.parametrize("args, message", [
     (["--model", "vit-huge"], "invalid choice: 'vit-huge'"),
-    (["--batch-sizes", "32,x"], "--batch-sizes must be comma-separated positive integers, got '32,x'"),
-    (["--batch-sizes", "0"], "--batch-sizes must be comma-separated positive integers, got '0'"),
+    (["--batch-sizes", "32,x"], "argument --batch-sizes: expected comma-separated positive integers, got '32,x'"),
+    (["--batch-sizes", "0"], "argument --batch-sizes: expected comma-separated positive integers, got '0'"),
     (["--modes", "fast"], "--modes takes MODE or MODE@BATCH with MODE one of"),
     (["--modes", "reduce-overhead@0"], "got 'reduce-overhead@0'"),
     (["--rounds", "0"], "--rounds must be a positive integer, got '0'"),

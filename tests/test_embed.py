@@ -1,5 +1,6 @@
 """`vit-triton embed` end to end through the interpreter: complete output equal to direct model calls,
-bad files listed, resume after kill -9, and a 2-process torchrun (gloo) equal to one process."""
+bad files listed, resume after kill -9 (which takes the DataLoader workers with it), one run at a time
+into an output, re-runs that add INPUT's new files, and a 2-process torchrun (gloo) equal to one process."""
 
 import json
 import os
@@ -20,8 +21,9 @@ from vit_triton import from_pretrained
 from vit_triton.cli import main
 from vit_triton.data import Preprocess, load_image
 from vit_triton.data.files import list_inputs
+from vit_triton.pipelines import store as store_module
 from vit_triton.pipelines.embed import _device as embed_device, embedding_fn
-from vit_triton.pipelines.store import UsageError
+from vit_triton.pipelines.store import ChunkStore, UsageError
 from vit_triton.runtime import CUDAGraphRunner
 
 pq = pytest.importorskip("pyarrow.parquet")
@@ -144,24 +146,73 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "vit_triton", *args]
 
 
-def test_resume_after_kill_9_has_no_duplicates_and_no_gaps(single, work, capsys):
-    # The single run's inputs and, last, a FIFO: decoding blocks on it, so the run stops for sure
-    # in the middle (chunks 0-2 written; chunk 3's last batch waits on the next), however fast it is.
-    fifo = work / "blocks.fifo"
+def _blocked_run(work: Path, name: str) -> tuple[subprocess.Popen, list[str], Path]:
+    """(process, command, FIFO) of a run into NAME.parquet over the single run's inputs and, last, a FIFO:
+    decoding blocks on it, so the run stops for sure in the middle (chunks 0-2 written; chunk 3's last
+    batch waits on the next), however fast it is; returned once it got there."""
+    fifo = work / f"{name}.fifo"
     os.mkfifo(fifo)
-    (work / "list.txt").write_text("\n".join(list_inputs("imgs") + [fifo.name]) + "\n")
-    cmd = ["embed", "list.txt", "--model", "deit", "--output", "killed.parquet", *RUN]
-    run = subprocess.Popen(_cli(*cmd), cwd=work, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    partial = work / "killed.parquet.partial"
+    (work / f"{name}.txt").write_text("\n".join(list_inputs("imgs") + [fifo.name]) + "\n")
+    cmd = ["embed", f"{name}.txt", "--model", "deit", "--output", f"{name}.parquet", *RUN]
+    run = subprocess.Popen(_cli(*cmd), cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    partial = work / f"{name}.parquet.partial"
     deadline = time.monotonic() + 120
     while len(list(partial.glob("chunk-*.json"))) < 3 and run.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(0.5)
+    if run.poll() is not None or len(list(partial.glob("chunk-*.json"))) != 3:
+        run.kill()
+        pytest.fail(f"the run did not stop at its 4th chunk: {run.communicate()}")
+    return run, cmd, fifo
+
+
+def _proc_stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, parent PID, start time) of a process, from /proc; None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return fields[0], int(fields[1]), int(fields[19])
+
+
+def _descendants(pid: int) -> dict[int, int]:
+    """PID -> start time of every process below `pid` (its children, theirs, ...)."""
+    stats = {int(p.name): _proc_stat(int(p.name)) for p in Path("/proc").iterdir() if p.name.isdigit()}
+    found, parents = {}, [pid]
+    while parents:
+        parent = parents.pop()
+        for child, stat in stats.items():
+            if stat is not None and stat[1] == parent and child not in found:
+                found[child] = stat[2]
+                parents.append(child)
+    return found
+
+
+def _still_running(processes: dict[int, int], seconds: float) -> list[int]:
+    """Those of `processes` (PID -> start time) still running after waiting up to `seconds` for them to end."""
+    deadline = time.monotonic() + seconds
+    while True:
+        running = [pid for pid, start in processes.items()
+                   if (stat := _proc_stat(pid)) is not None and stat[0] != "Z" and stat[2] == start]
+        if not running or time.monotonic() > deadline:
+            return running
+        time.sleep(0.1)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the run's processes in /proc")
+def test_resume_after_kill_9_has_no_duplicates_and_no_gaps(single, work, capsys):
+    run, cmd, fifo = _blocked_run(work, "killed")
+    workers = _descendants(run.pid)  # its DataLoader worker, blocked on the FIFO
+    assert workers
     run.send_signal(signal.SIGKILL)
     run.wait()
-    os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # release the orphaned worker reading it
+    left = _still_running(workers, 10)  # they end with their parent
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes of the killed run still running: {left}"
     fifo.unlink()
-    assert run.returncode == -signal.SIGKILL, run.stderr.read().decode()
+    assert run.returncode == -signal.SIGKILL, run.stderr.read()
+    partial = work / "killed.parquet.partial"
     assert len(list(partial.glob("chunk-*.json"))) == 3 and not (work / "killed.parquet").exists()
 
     assert main(cmd) == 0
@@ -170,7 +221,119 @@ def test_resume_after_kill_9_has_no_duplicates_and_no_gaps(single, work, capsys)
     assert "this run: 7 images" in out.out  # chunks 3 and 4, the FIFO's path now missing
     assert pq.read_table(work / "killed.parquet").equals(pq.read_table(single))
     skipped = (work / "killed.skipped.tsv").read_text()
-    assert skipped == (work / "single.skipped.tsv").read_text() + "blocks.fifo\tcannot read file: No such file or directory\n"
+    assert skipped == (work / "single.skipped.tsv").read_text() + "killed.fifo\tcannot read file: No such file or directory\n"
+
+
+def test_a_second_run_into_an_output_being_written_is_refused(single, work):
+    # Without the lock it would resume the first run's work: remove its temporary files, redo its chunks.
+    first, cmd, fifo = _blocked_run(work, "locked")
+    try:
+        second = subprocess.run(_cli(*cmd), cwd=work, capture_output=True, text=True, timeout=60)
+        assert second.returncode == 2, second.stderr
+        assert (f"vit-triton embed: error: another vit-triton embed run (PID {first.pid}) is writing locked.parquet: "
+                f"it holds locked.parquet.lock; wait for it to end, or stop it") in second.stderr
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # lets the first run go on: an empty file
+        out, err = first.communicate(timeout=120)
+    finally:
+        first.kill()  # if the test failed
+        fifo.unlink()
+    assert first.returncode == 0, err
+    assert "done 14, skipped 5" in out and "this run: 19 images" in out
+    assert pq.read_table(work / "locked.parquet").equals(pq.read_table(single))
+    skipped = (work / "locked.skipped.tsv").read_text()
+    assert skipped == (work / "single.skipped.tsv").read_text() + "locked.fifo\tempty file\n"
+    assert not (work / "locked.parquet.lock").exists() and not (work / "locked.parquet.partial").exists()
+
+
+def _read_output(path: Path) -> tuple[list[str], np.ndarray, np.ndarray | None]:
+    """(paths, embeddings, tokens or None) of a finished .parquet or .npy output."""
+    if path.suffix == ".parquet":
+        paths, embedding = _read_parquet(path)
+        return paths, embedding, None
+    stem = path.with_suffix("")
+    tokens = Path(f"{stem}.tokens.npy")
+    paths = json.loads(Path(f"{stem}.paths.json").read_text())["paths"]
+    return paths, np.load(path), np.load(tokens) if tokens.exists() else None
+
+
+@pytest.mark.parametrize("output, options", [("grown.parquet", []), ("grown.npy", ["--tokens"])])
+def test_a_rerun_adds_the_new_inputs_and_names_the_removed_ones(output, options, tmp_path, capsys):
+    folder = tmp_path / "photos"
+    write_images(folder, 5)
+    (folder / "notes.txt").write_text("not an image\n")
+    cmd = [str(folder), "--model", "deit", "--output", str(tmp_path / output), *options, *RUN]
+    assert _embed(*cmd) == 0
+    old_paths, old_embedding, old_tokens = _read_output(tmp_path / output)
+    assert len(old_paths) == 5
+
+    added = [str(p) for p in write_images(folder, 3, start=5)] + [str(folder / "zz.txt")]
+    (folder / "zz.txt").write_text("not an image either\n")
+    (folder / "img001.png").unlink()
+    capsys.readouterr()
+    assert _embed(*cmd) == 0
+    out = capsys.readouterr()
+    assert (f"4 file(s) new in INPUT since {tmp_path / output} was written: embedding them, to add after its 5 "
+            f"rows") in out.err
+    assert (f"warning: 1 input(s) of {tmp_path / output} are no longer in INPUT (the first: {folder}/img001.png): "
+            f"they stay in it; pass --overwrite to embed INPUT as it is now") in out.err
+    assert "done 8, skipped 2" in out.out and "this run: 4 images" in out.out
+    # the old rows as they were, then the new ones in input order
+    paths, embedding, tokens = _read_output(tmp_path / output)
+    new = sorted(added[:3], key=list_inputs(str(folder)).index)
+    assert paths == old_paths + new
+    assert np.array_equal(embedding[:5], old_embedding)
+    pooled, features = _direct("deit", new)
+    assert_close(torch.from_numpy(embedding[5:]), pooled.double(), torch.float32)
+    if old_tokens is not None:
+        assert np.array_equal(tokens[:5], old_tokens)
+        assert_close(torch.from_numpy(tokens[5:]), features.double(), torch.float32)
+    skipped = (tmp_path / output).with_name("grown.skipped.tsv").read_text().splitlines()
+    assert skipped == ["path\treason", f"{folder}/notes.txt\tnot an image (unrecognised format)",
+                       f"{folder}/zz.txt\tnot an image (unrecognised format)"]
+    assert not (tmp_path / f"{output}.partial").exists()
+
+    assert _embed(*cmd) == 0  # nothing new now
+    out = capsys.readouterr()
+    assert "already complete; nothing to do" in out.err and "no longer in INPUT" in out.err
+    assert "done 8, skipped 2" in out.out
+
+
+def test_adding_to_an_output_survives_a_kill_while_merging(tmp_path, monkeypatch):
+    # The merge reads the finished output's files as they were when the run started (hard links in the work
+    # directory), not the output being replaced: killed between its .npy and its paths file, a resumed run
+    # writes every row once.
+    store = ChunkStore(tmp_path / "e.npy", {"input": str(tmp_path), "chunk_size": 2})
+
+    def run(inputs: list[str]) -> None:
+        inputs, _ = store.prepare(lambda: inputs, log=lambda msg: None)
+        for k in store.pending(len(inputs)):
+            rows = store.chunk_range(k, len(inputs))
+            store.write_chunk(k, np.arange(rows.start, rows.stop), np.array([[int(inputs[i])] for i in rows]), None, [])
+        store.finalize(inputs)
+
+    run(["0", "1", "2"])
+    write_atomic = store_module.write_atomic
+
+    def killed_at_the_paths_file(path, write):
+        if path == store.paths_file:
+            raise KeyboardInterrupt
+        write_atomic(path, write)
+
+    monkeypatch.setattr(store_module, "write_atomic", killed_at_the_paths_file)
+    with pytest.raises(KeyboardInterrupt):
+        run(["0", "1", "2", "3", "4"])
+    assert np.load(tmp_path / "e.npy").ravel().tolist() == [0, 1, 2, 3, 4] and not store.paths_file.exists()
+    monkeypatch.setattr(store_module, "write_atomic", write_atomic)
+    run(["0", "1", "2", "3", "4"])
+    assert np.load(tmp_path / "e.npy").ravel().tolist() == [0, 1, 2, 3, 4]
+    assert json.loads(store.paths_file.read_text())["paths"] == ["0", "1", "2", "3", "4"]
+
+
+def test_the_same_input_spelled_otherwise_is_the_same(single, work, capsys):
+    for spelling in ("imgs/", "./imgs", str(work / "imgs"), f"{work}/./imgs/"):
+        assert _embed(spelling, "--model", "deit", "--output", "single.parquet", *RUN) == 0, capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert "already complete; nothing to do" in err and "INPUT" not in err, spelling
 
 
 @pytest.mark.skipif(0 < torch.cuda.device_count() < 2, reason="two ranks on CUDA need two devices")
@@ -201,7 +364,6 @@ def test_a_rank_without_its_gpu_is_named(monkeypatch):
 @pytest.mark.parametrize("args, match", [
     (["nowhere", "--output", "x.parquet"], "INPUT nowhere: no such file or directory"),
     (["imgs", "--output", "x.csv"], "--output must end in .parquet or .npy"),
-    (["imgs", "--output", "x.parquet", "--batch-size", "0"], "--batch-size must be at least 1"),
     (["imgs/*.tiff", "--output", "x.parquet"], r"INPUT imgs/\*.tiff: names no files"),
 ])
 def test_usage_errors_exit_2(args, match, capsys):
@@ -236,3 +398,22 @@ def test_list_inputs(tmp_path):
     assert list_inputs(f"{root}/list.txt") == ["one.jpg", " two.png"]
     with pytest.raises(FileNotFoundError, match="names no files"):
         list_inputs(f"{root}/*.gif")
+
+
+def test_embed_images_gives_what_embed_writes(single):
+    import vit_triton
+    from PIL import Image
+
+    from vit_triton.data import UnreadableImage
+
+    paths, written = _read_parquet(single)
+    model = from_pretrained("deit", device=DEVICE, dtype=torch.float32)
+    embedded = vit_triton.embed_images(model, paths, batch_size=5)
+    assert embedded.shape == written.shape and embedded.dtype == torch.float32
+    assert_close(embedded, torch.from_numpy(written), torch.float32)   # other batches: the last bits may differ
+    with Image.open(paths[2]) as image:
+        one = vit_triton.embed_images(model, [image], normalize=True)
+    assert_close(one, torch.nn.functional.normalize(embedded[2:3], dim=-1), torch.float32)
+    assert vit_triton.embed_images(model, []).shape == (0, model.config.embed_dim)
+    with pytest.raises(UnreadableImage, match=r"^imgs/bad/empty.jpg: empty file"):
+        vit_triton.embed_images(model, [paths[0], "imgs/bad/empty.jpg"])

@@ -149,15 +149,16 @@ def test_mismatched_checkpoint_lists_every_problem():
     with pytest.raises(ValueError) as err:
         hf_state_dict_to_vit(sd, cfg)
     msg = str(err.value)
-    assert "missing: blocks.1.fc2.bias [64]" in msg
+    assert "missing: vit.layers.1.mlp.fc2.bias (for blocks.1.fc2.bias [64])" in msg
     assert "unexpected: vit.layers.0.extra.weight" in msg
-    assert "wrong shape: head.weight is [4, 63], expected [4, 64]" in msg
+    assert "wrong shape: classifier.weight is [4, 63], expected [4, 64]" in msg
 
 
 def test_missing_value_projection_is_reported():
     sd, cfg = _hf_state_dict()
     del sd["vit.layers.0.attention.v_proj.weight"]
-    with pytest.raises(ValueError, match=r"missing: blocks\.0\.qkv\.weight \[192, 64\]"):
+    with pytest.raises(ValueError, match=r"missing: vit\.layers\.0\.attention\.v_proj\.weight "
+                                         r"\(for blocks\.0\.qkv\.weight \[192, 64\]\)"):
         hf_state_dict_to_vit(sd, cfg)
 
 

@@ -77,7 +77,7 @@ def test_tf32_operands_rounded_by_their_producers_change_no_bit(monkeypatch, one
     pixels = torch.randn(2, 3, model.config.image_size, model.config.image_size, device=DEVICE)
     with tf32_matmuls():
         rounded_once = model(pixels)
-        # On an H100 this test failed at times (benchmarks/NOTES.md 73): a second forward of each kind tells a
+        # On an H100 this test failed at times: a second forward of each kind tells a
         # forward that changes bits from call to call (or a first call, which rounds the weights' copies, from
         # the next) from flags that change them.
         assert torch.equal(model(pixels), rounded_once), "a second forward with the flags gave other bits"
@@ -113,6 +113,21 @@ def test_distilled_pre_logits_is_the_mean_of_class_and_distillation_tokens():
     assert features.shape[1] == 2 + model.config.num_patches
     assert_close(model.forward_head(features, pre_logits=True), (features[:, 0] + features[:, 1]).double() / 2,
                  torch.float32)
+
+
+@pytest.mark.parametrize("variant", ["cls-head", "deit-distilled", "no-class-no_embed_class"])
+def test_an_empty_batch_gives_empty_outputs_of_the_right_shape(variant):
+    model = _model(torch.float32, **VARIANTS[variant])
+    cfg = model.config
+    pixels = torch.randn(0, 3, cfg.image_size, cfg.image_size, device=DEVICE)
+    tokens = model.forward_features(pixels)
+    assert tokens.shape == (0, cfg.num_tokens, cfg.embed_dim) and tokens.dtype == torch.float32
+    assert model(pixels).shape == (0, cfg.num_classes or cfg.embed_dim)
+    assert model.forward_head(tokens, pre_logits=True).shape == (0, cfg.embed_dim)
+    if DEVICE.type == "cuda":
+        import vit_triton
+
+        assert vit_triton.compile(model)(pixels).shape == (0, cfg.num_classes or cfg.embed_dim)
 
 
 def test_float32_pixels_into_a_bf16_model():

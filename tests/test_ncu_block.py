@@ -1,5 +1,5 @@
 """scripts/ncu_block.py on a machine without a GPU: its command line, and the reading of ncu's details CSV
-(the layout Nsight Compute 2025.3 writes; its counters are read on the device: benchmarks/NOTES.md 52)."""
+(the layout Nsight Compute 2025.3 writes; its counters are read on the device)."""
 
 import csv
 import io
@@ -17,8 +17,8 @@ run = partial(run_script, "ncu_block.py")
 @pytest.mark.parametrize("args, message", [
     (["--model", "vit-huge"], "invalid choice: 'vit-huge'"),
     (["--dtype", "fp8"], "invalid choice: 'fp8'"),
-    (["--batch-sizes", "1,x"], "--batch-sizes must be comma-separated positive integers, got '1,x'"),
-    (["--batch-sizes", "0"], "--batch-sizes must be comma-separated positive integers, got '0'"),
+    (["--batch-sizes", "1,x"], "argument --batch-sizes: expected comma-separated positive integers, got '1,x'"),
+    (["--batch-sizes", "0"], "argument --batch-sizes: expected comma-separated positive integers, got '0'"),
 ])
 def test_unknown_choices_are_named(args, message):
     result = run(*args)

@@ -145,3 +145,27 @@ def test_load_image_reasons(tmp_path):
     image(2, 20, 30, mode="L").save(tmp_path / "gray.png")
     assert load_image(tmp_path / "alpha.png").mode == load_image(tmp_path / "gray.png").mode == "RGB"
     assert load_image(tmp_path / "gray.png", mode="L").size == (30, 20)
+
+
+@pytest.mark.parametrize("orientation", [6, 8])
+def test_load_image_turns_a_photo_upright_by_its_exif_orientation(orientation, tmp_path):
+    # A phone stores a portrait photo landscape, with the turn to apply in EXIF; transformers' load_image applies it.
+    from PIL import Image, ImageOps
+
+    from vit_triton.data.files import ImageFiles
+
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    image(3, 20, 34).save(tmp_path / "photo.jpg", "JPEG", exif=exif)
+    turn = {6: Image.Transpose.ROTATE_270, 8: Image.Transpose.ROTATE_90}[orientation]
+    with Image.open(tmp_path / "photo.jpg") as stored:
+        want = ImageOps.exif_transpose(stored).convert("RGB")
+        turned = stored.convert("RGB").transpose(turn)
+    assert want.size == turned.size == (20, 34) and want.tobytes() == turned.tobytes()
+    got = load_image(tmp_path / "photo.jpg")
+    assert got.size == (20, 34) and got.tobytes() == want.tobytes()
+    assert load_image(tmp_path / "photo.jpg", mode="L").tobytes() == want.convert("L").tobytes()
+    # the path embed and classify decode through
+    pre = Preprocess.from_timm(TIMM_CFGS["defaults"])
+    _, pixels, reason = ImageFiles([str(tmp_path / "photo.jpg")], pre)[0]
+    assert reason is None and torch.equal(pixels, pre.resize_crop(want))

@@ -2,6 +2,7 @@
 
 import copy
 import json
+import re
 import shutil
 
 import pytest
@@ -151,10 +152,78 @@ def test_mismatched_weights_list_every_key(tmp_path):
     with pytest.raises(ValueError) as err:
         from_pretrained(directory)
     msg = str(err.value)
-    for line in ("missing: blocks.1.fc2.bias [64]", "missing: head_dist.weight [3, 64]",
-                 "unexpected: deit.encoder.layer.0.adapter.weight",
-                 "wrong shape: head.weight is [3, 65], expected [3, 64]"):
+    for line in ("missing: deit.encoder.layer.1.output.dense.bias (for blocks.1.fc2.bias [64])",
+                 "missing: head_dist.weight [3, 64]", "unexpected: deit.encoder.layer.0.adapter.weight",
+                 "wrong shape: cls_classifier.weight is [3, 65], expected [3, 64]"):
         assert line in msg
+
+
+def test_query_key_value_problems_name_the_checkpoints_keys(tmp_path):
+    layer = "vit.encoder.layer.{}.attention.attention.{}"
+    directory = _edit_weights(save_hf(hf_model("ViTForImageClassification", num_labels=3), tmp_path),
+                              delete=[layer.format(1, "query.weight")],
+                              put={layer.format(0, "key.weight"): torch.zeros(63, 64),
+                                   layer.format(0, "value.bias"): torch.zeros(64, 1)})
+    with pytest.raises(ValueError) as err:
+        read_checkpoint(directory)
+    msg = str(err.value)
+    for line in (f"missing: {layer.format(1, 'query.weight')} (for blocks.1.qkv.weight [192, 64])",
+                 f"wrong shape: {layer.format(0, 'key.weight')} is [63, 64], expected [64, 64]",
+                 f"wrong shape: {layer.format(0, 'value.bias')} is [64, 1], expected [64]"):
+        assert line in msg
+    assert "unexpected" not in msg and "blocks.0.qkv" not in msg   # each problem once, by the checkpoint's name
+
+
+def test_more_labels_than_classifier_rows_is_refused(tmp_path):
+    directory = save_hf(hf_model("ViTForImageClassification", num_labels=7), tmp_path / "hf")
+    config = json.loads((directory / "config.json").read_text())
+    config["id2label"] = {str(i): f"class {i}" for i in range(5)}
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="config.json names 5 labels \\(id2label\\), but the classifier has 7 rows"):
+        read_checkpoint(directory)
+    ref = timm_model("vit_tiny_patch16_224", embed_dim=64, num_heads=2, num_classes=7)
+    with pytest.raises(ValueError, match="config.json names 5 labels \\(label_names\\), but the classifier has 7 rows"):
+        read_checkpoint(save_timm(ref, tmp_path / "timm", label_names=["a", "b", "c", "d", "e"]))
+    with pytest.raises(ValueError, match="config.json says num_classes 5, but the classifier has 7 rows"):
+        read_checkpoint(save_timm(ref, tmp_path / "timm5", num_classes=5))
+
+
+@pytest.mark.parametrize("name, damage, match", [
+    ("model.safetensors", lambda b: b[:40], "is not a readable safetensors file, truncated or corrupt?"),
+    ("model.safetensors", lambda b: b"\xff" * 8 + b[8:], "is not a readable safetensors file"),
+    ("pytorch_model.bin", lambda b: b[: len(b) // 2], "is not a PyTorch checkpoint: not the zip archive torch.save"),
+    ("pytorch_model.bin", lambda b: b"not a checkpoint", "is not a PyTorch checkpoint: not the zip archive"),
+])
+def test_corrupt_weights_name_the_file_in_one_line(name, damage, match, tmp_path, capsys):
+    from PIL import Image
+
+    from vit_triton.cli import main
+
+    model = hf_model("ViTForImageClassification", num_labels=3)
+    directory = save_hf(model, tmp_path / "ckpt")
+    weights = directory / name
+    if name == "pytorch_model.bin":   # as transformers 4 saved them
+        (directory / "model.safetensors").unlink()
+        torch.save(model.state_dict(), weights)
+    weights.write_bytes(damage(weights.read_bytes()))
+    with pytest.raises(ValueError, match=f"^{weights} {re.escape(match)}"):
+        read_checkpoint(directory)
+    Image.new("RGB", (40, 30), "red").save(tmp_path / "red.png")
+    capsys.readouterr()
+    assert main(["classify", str(tmp_path / "red.png"), "--model", str(directory)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"vit-triton classify: error: {weights} "), err
+
+
+def test_a_mistyped_folder_fails_at_once_when_the_hub_is_unreachable(monkeypatch, caplog):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")   # the discard port: nothing listens
+    with pytest.raises(CheckpointNotFound, match="nonexistent_dir: no such local directory or file, not in the "
+                                                 "HuggingFace cache .* and the hub cannot be reached .*127.0.0.1"):
+        read_checkpoint("nonexistent_dir")
+    assert "Retrying" not in caplog.text   # huggingface_hub's retries of an unreachable host took 25 s
 
 
 def test_classifier_without_its_head_is_reported_missing(tmp_path):

@@ -7,4 +7,4 @@ def test_bad_batch_sizes_are_named():
     for value in ("1,x", "0", "8,,32"):
         result = run_script("profile_forward.py", "--batch-sizes", value)
         assert result.returncode == 2, result.stderr
-        assert f"--batch-sizes must be comma-separated positive integers, got '{value}'" in result.stderr, result.stderr
+        assert f"argument --batch-sizes: expected comma-separated positive integers, got '{value}'" in result.stderr, result.stderr

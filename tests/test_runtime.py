@@ -116,7 +116,7 @@ def test_graphs_are_captured_on_a_stream_no_other_thread_is_handed():
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a CUDA device")
 def test_timing_beside_a_thread_that_copies_on_a_stream_of_its_own():
     # Each timing captures two graphs; on pooled streams, one in 32 of them was the copying thread's
-    # stream, and its copies failed with "CUDA error: invalid argument" (benchmarks/NOTES.md 39).
+    # stream, and its copies failed with "CUDA error: invalid argument".
     x = torch.zeros(1024, device=DEVICE)
     with CopyingThread():
         for _ in range(400):

@@ -17,6 +17,7 @@ _EXPORTS = {
     "compile": ".runtime",
     "from_pretrained": ".loaders",
     "Preprocess": ".data",
+    "embed_images": ".pipelines",
 }
 __all__ = [*_EXPORTS, "__version__"]
 

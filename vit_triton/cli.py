@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import textwrap
+
+from .utils import MissingExtra, batch_sizes, natural_int, positive_int
 
 # --dtype names -> torch dtype names, as strings so that parsing the command line does not import torch
 # (torch_dtype gives the dtype, and takes bench's tf32 too).
@@ -39,9 +40,11 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--model", default=None,
                         help="model shape: tiny, vit_small_patch16_224, vit_base_patch16_224 (default on a GPU), "
                              "vit_large_patch16_224, vit_large_patch14_clip_336; tiny is the default without a GPU")
-    verify.add_argument("--batch-size", type=int, default=None,
+    verify.add_argument("--batch-size", type=positive_int, default=None,
                         help="images per batch (default 8 on a GPU, 2 in the interpreter)")
-    verify.add_argument("--dtypes", default="fp32,bf16,fp16", help="comma-separated subset of fp32,bf16,fp16")
+    verify.add_argument("--dtypes", type=dtype_list, default="fp32,bf16,fp16",
+                        help="comma-separated subset of fp32,bf16,fp16 (default: %(default)s)")
+    verify.set_defaults(usage_error=verify.error)
     bench = sub.add_parser(
         "bench",
         help="time vit-triton against HF, timm and torch.compile; or every kernel on a roofline",
@@ -56,7 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--model", default="vit_base_patch16_224",
                        help="model shape (timm name): vit_small_patch16_224, vit_base_patch16_224, "
                             "vit_large_patch16_224, vit_large_patch14_clip_336 (default: %(default)s)")
-    bench.add_argument("--batch-sizes", default="1,8,32,128,256", help="comma-separated (default: %(default)s)")
+    bench.add_argument("--batch-sizes", type=batch_sizes, default="1,8,32,128,256",
+                       help="comma-separated positive integers (default: %(default)s)")
     bench.add_argument("--dtype", default="bf16", choices=sorted(DTYPES) + ["tf32"],
                        help="tf32: float32 tensors with every system's matmuls on tf32 tensor cores "
                             "(torch.set_float32_matmul_precision('high')); fp32 keeps them exact "
@@ -76,6 +80,7 @@ def _parser() -> argparse.ArgumentParser:
                             "--kernels, each kernel's millijoules a call, ours and PyTorch's, against the least the "
                             "measured matmul and copy allow")
     bench.add_argument("--out", default="bench-results", help="output folder (default: %(default)s)")
+    bench.set_defaults(usage_error=bench.error)
     _add_classify_and_embed(sub)
     return parser
 
@@ -91,7 +96,7 @@ def _add_classify_and_embed(sub) -> None:
     )
     classify.add_argument("images", nargs="+", metavar="IMAGE", help="image files (any format Pillow reads)")
     classify.add_argument("--model", required=True, help=_MODEL_HELP + "; it must have a classification head")
-    classify.add_argument("--top-k", type=int, default=5, help="classes per image (default 5)")
+    classify.add_argument("--top-k", type=positive_int, default=5, help="classes per image (default 5)")
     classify.add_argument("--json", action="store_true",
                           help='print one JSON array: per image {"path", "predictions": [{"index", "label", '
                                '"probability"}]}, or {"path", "error"} for an unreadable file')
@@ -128,10 +133,10 @@ several GPUs: torchrun --nproc-per-node N -m vit_triton embed INPUT --model M --
                             "pooled embedding (class token, or the mean of the patch tokens, as the model pools)")
     embed.add_argument("--output-dtype", choices=["float32", "float16"], default="float32",
                        help="dtype of the written embeddings (default float32)")
-    embed.add_argument("--num-workers", type=int, default=None,
+    embed.add_argument("--num-workers", type=natural_int, default=None,
                        help="DataLoader worker processes decoding images, per GPU (default: the CPUs per process, "
                             "less one); 0 decodes in the main process, without overlap")
-    embed.add_argument("--chunk-size", type=int, default=None,
+    embed.add_argument("--chunk-size", type=positive_int, default=None,
                        help="images per chunk: the unit written atomically and redone after a kill (default 4096, "
                             "512 with --tokens); a resumed run must use the same")
     embed.add_argument("--overwrite", action="store_true",
@@ -142,7 +147,7 @@ several GPUs: torchrun --nproc-per-node N -m vit_triton embed INPUT --model M --
 
 
 def _add_runtime_options(p: argparse.ArgumentParser, batch_help: str) -> None:
-    p.add_argument("--batch-size", type=int, default=None, help=batch_help)
+    p.add_argument("--batch-size", type=positive_int, default=None, help=batch_help)
     p.add_argument("--dtype", choices=list(DTYPES), default=None,
                    help="compute dtype of the model (default bf16 on a GPU, fp32 in the CPU interpreter)")
     p.add_argument("--device", default=None,
@@ -157,11 +162,13 @@ def torch_dtype(name: str):
     return getattr(torch, DTYPES["fp32" if name == "tf32" else name])
 
 
-def batch_sizes(text: str) -> list[int]:
-    """A --batch-sizes value of the measuring scripts (scripts/): comma-separated positive integers, in order."""
-    if not re.fullmatch(r"\d+(,\d+)*", text) or 0 in (sizes := [int(b) for b in text.split(",")]):
-        raise argparse.ArgumentTypeError(f"--batch-sizes must be comma-separated positive integers, got {text!r}")
-    return sizes
+def dtype_list(text: str) -> list[str]:
+    """A --dtypes value: a comma-separated subset of DTYPES' names."""
+    names = text.split(",")
+    unknown = [n for n in names if n not in DTYPES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown dtype {unknown[0]!r}; expected a subset of {','.join(DTYPES)}")
+    return names
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -173,26 +180,24 @@ def _bench(args: argparse.Namespace) -> int:
     from .model import PRESETS
 
     if args.model not in PRESETS:
-        raise SystemExit(f"vit-triton bench: unknown model {args.model!r}; expected one of {', '.join(PRESETS)}")
-    try:
-        batch_sizes = sorted({int(b) for b in args.batch_sizes.split(",")})
-    except ValueError:
-        raise SystemExit(f"vit-triton bench: --batch-sizes must be comma-separated integers, got {args.batch_sizes!r}")
+        args.usage_error(f"unknown model {args.model!r}; expected one of {', '.join(PRESETS)}")
+    batch_sizes = sorted(set(args.batch_sizes))
     if args.dtype == "tf32":
         torch.set_float32_matmul_precision("high")
     dtype = torch_dtype(args.dtype)
     if args.energy and not on_gpu:
         raise SystemExit("vit-triton bench: --energy reads a GPU board's energy while the systems or kernels run: it "
                          "needs a CUDA device")
-    if not on_gpu:
-        return _bench_without_gpu(dtype)
-    from .bench import harness, power, roofline, systems
+    from .bench import systems
 
     names = tuple(args.systems.split(",")) if args.systems else systems.SYSTEMS
     unknown = set(names) - set(systems.SYSTEMS)
     if unknown:
-        raise SystemExit(f"vit-triton bench: unknown systems {sorted(unknown)}; expected a subset of "
-                         f"{','.join(systems.SYSTEMS)}")
+        args.usage_error(f"unknown systems {sorted(unknown)}; expected a subset of {','.join(systems.SYSTEMS)}")
+    if not on_gpu:
+        return _bench_without_gpu(dtype)
+    from .bench import harness, power, roofline
+
     cfg, device, out = PRESETS[args.model], torch.device("cuda"), Path(args.out) / args.model / args.dtype
     board = power.Board(device) if args.energy else None   # a missing NVML fails before anything runs
     if args.kernels:
@@ -234,12 +239,8 @@ def _verify(args: argparse.Namespace) -> int:
 
     name = args.model or ("vit_base_patch16_224" if on_gpu else "tiny")
     if name not in PRESETS:
-        raise SystemExit(f"vit-triton verify: unknown model {name!r}; expected one of {', '.join(PRESETS)}")
-    dtypes = []
-    for d in args.dtypes.split(","):
-        if d not in DTYPES:
-            raise SystemExit(f"vit-triton verify: unknown dtype {d!r}; expected a subset of fp32,bf16,fp16")
-        dtypes.append(torch_dtype(d))
+        args.usage_error(f"unknown model {name!r}; expected one of {', '.join(PRESETS)}")
+    dtypes = [torch_dtype(d) for d in args.dtypes]
     batch = args.batch_size or (8 if on_gpu else 2)
     device = torch.device("cuda" if on_gpu else "cpu")
     where = torch.cuda.get_device_name() if on_gpu else "CPU, Triton interpreter"
@@ -273,8 +274,6 @@ def _classify(args: argparse.Namespace) -> int:
     from .loaders import from_pretrained
     from .pipelines import UsageError, classify
 
-    if args.top_k < 1 or (args.batch_size is not None and args.batch_size < 1):
-        raise UsageError("--top-k and --batch-size must be at least 1")
     model = from_pretrained(args.model, device=args.device or ("cuda" if on_gpu else "cpu"),
                             dtype=torch_dtype(args.dtype or ("bf16" if on_gpu else "fp32")))
     if model.head is None:
@@ -333,9 +332,13 @@ def _run_reporting_errors(command, args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.command in ("classify", "embed"):
-        return _run_reporting_errors({"classify": _classify, "embed": _embed}[args.command], args)
-    return {"verify": _verify, "bench": _bench}[args.command](args)
+    try:
+        if args.command in ("classify", "embed"):
+            return _run_reporting_errors({"classify": _classify, "embed": _embed}[args.command], args)
+        return {"verify": _verify, "bench": _bench}[args.command](args)
+    except MissingExtra as e:
+        print(f"vit-triton {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_FAILURE
 
 
 if __name__ == "__main__":

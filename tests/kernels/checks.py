@@ -1,6 +1,6 @@
 """What every kernel test does: fresh random inputs on DEVICE, a float64 reference on the CPU from
 the very same (already rounded) inputs, PyTorch's own result in the inputs' precision on DEVICE,
-and the DESIGN.md tolerance between them."""
+and the docs/design.md tolerance between them."""
 
 from __future__ import annotations
 

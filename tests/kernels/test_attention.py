@@ -99,7 +99,7 @@ def test_one_pass_only_for_short_launches(monkeypatch):
 
 
 def test_tuned_per_batch_class(monkeypatch):
-    # The best tile at one image (few programs) is not the best at 256 (benchmarks/NOTES.md 16: 1.38x slower there),
+    # The best tile at one image (few programs) is not the best at 256 (1.38x slower there on an H100),
     # so the autotuner keys on B*H rounded up to a power of two, not on the sequence alone.
     monkeypatch.setattr(ATTENTION, "ONE_PASS_WAVES", 0)
     kernel = ATTENTION._attention_kernel

@@ -172,7 +172,7 @@ def test_no_copy_without_tf32_or_of_an_inference_tensor():
 
 
 def test_no_copies_kept_when_turned_off(monkeypatch, one_config):
-    # VIT_TRITON_TF32_COPIES=0 trades the copies' memory for session 9's speed: the GEMM rounds W for the
+    # VIT_TRITON_TF32_COPIES=0 trades the copies' memory for speed: the GEMM rounds W for the
     # call (from TF32_WEIGHT_ROWS rows) or in its K loop, with the same bits.
     w = rand(24, 40, dtype=F32)
     with tf32_matmuls():
@@ -219,7 +219,7 @@ def test_attention_flags(one_config, tf32):
 @pytest.mark.parametrize("rows, width", [(4099, 64), (343, 768)])
 def test_layer_norm_flags(tf32, rows, width):
     # About 2.6e5 values: on an H100 two builds of the kernel once fused different squares of the variance
-    # into FMAs, and one rounded value in about 10^5 came out a tf32 step off (benchmarks/NOTES.md 74).
+    # into FMAs, and one rounded value in about 10^5 came out a tf32 step off.
     x, w, b = rand(rows, width, dtype=F32, scale=3.0, shift=1.0), rand(width, dtype=F32), rand(width, dtype=F32)
     parts = rand(2, rows, width, dtype=F32)
     with tf32_matmuls() if tf32 else contextlib.nullcontext():

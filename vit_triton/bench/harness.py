@@ -3,7 +3,7 @@
 Per batch size, every system runs on the same random pixels; each is warmed up (compiling and
 autotuning outside the timings), then timed with triton.testing.do_bench (median of CUDA-event
 timings). Before any timing, vit-triton's output is checked against the reference model's with
-the DESIGN.md rule (float64 reference, 1.5x the reference's own error in 16-bit); a wrong answer
+the tolerance rule of docs/design.md (float64 reference, 1.5x the reference's own error in 16-bit); a wrong answer
 ends the run. The matmul ceiling (an 8192^3 product through torch.matmul in the same dtype) and the
 copy bandwidth are measured in the same process, and MFU is against that ceiling. Given the GPU's Board
 (power.py), each system then also runs back to back for a second while NVML reads the board's energy:

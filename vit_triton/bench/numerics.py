@@ -1,4 +1,4 @@
-"""The tolerance rule of DESIGN.md, shared by `vit-triton verify`, the GPU check and the tests.
+"""The tolerance rule of docs/design.md, shared by `vit-triton verify`, the GPU check and the tests.
 
 Relative Frobenius error ||out - ref|| / ||ref|| against a float64 reference computed from the
 very same inputs. float32 (tf32 off): at most 1e-5. float16/bfloat16, and float32 with tf32: at

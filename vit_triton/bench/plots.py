@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
+from ..utils import require
 
-matplotlib.use("Agg")
+require("matplotlib", "bench", "vit-triton bench's plots").use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 

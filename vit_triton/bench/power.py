@@ -3,7 +3,7 @@ NVML (NVIDIA's management library, through nvidia-ml-py).
 
 At large batch a ViT forward holds an H100 at its power limit (700 W on the SXM board): the driver lowers
 the SM clock until the power fits, so images per second are that limit over joules per image, and a kernel
-made faster without spending less energy gains little there (benchmarks/NOTES.md 40, 54).
+made faster without spending less energy gains little there.
 `vit-triton bench --energy` measures this beside each timing: the system runs back to back for about a
 second while a thread reads the board's energy counter (millijoules since the driver loaded) every
 millisecond and the SM clock every ten.
@@ -19,6 +19,8 @@ from collections.abc import Callable
 
 import torch
 
+from ..utils import require
+
 QUEUED_CALLS = 3
 
 
@@ -28,10 +30,7 @@ class Board:
     def __init__(self, device: torch.device) -> None:
         if device.type != "cuda":
             raise RuntimeError(f"energy readings need a CUDA device, got {device}")
-        try:
-            import pynvml
-        except ImportError as e:
-            raise RuntimeError("energy readings need nvidia-ml-py: pip install nvidia-ml-py") from e
+        pynvml = require("pynvml", "bench", "--energy (board energy from NVML)")
         try:
             pynvml.nvmlInit()
             uuid = torch.cuda.get_device_properties(device).uuid

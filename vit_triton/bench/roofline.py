@@ -14,7 +14,7 @@ from a CUDA graph of about 20 ms of calls as in a graphed forward: millijoules a
 and SM clock, ours and PyTorch's. Its floor is the least energy the same run's ceilings allow at their
 own power: the FLOPs at the n^3 product's joules a FLOP, or the bytes at the copy's joules a byte,
 whichever is more. Summed over a forward (count x mJ / batch) this splits a power-limited forward's
-joules per image by kernel (benchmarks/NOTES.md 57).
+joules per image by kernel.
 """
 
 from __future__ import annotations

@@ -2,14 +2,15 @@
 
 Decoding is the only place where a file's content can fail us, so it is the only place where errors
 are caught and turned into a reason (UnreadableImage): a run over a million files skips the bad ones
-and lists them, while a bug in the code after decoding still stops the run.
+and lists them, while a bug in the code after decoding still stops the run. The EXIF orientation is
+applied (as transformers' load_image does), so that a phone's photo is seen upright.
 """
 
 from __future__ import annotations
 
 import os
 
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 
 class UnreadableImage(Exception):
@@ -20,8 +21,8 @@ def load_image(path: str | os.PathLike, mode: str = "RGB") -> Image.Image:
     """The fully decoded image at `path` in PIL `mode` ("RGB", or "L" for one-channel models).
 
     Raises UnreadableImage for a missing, unreadable, empty, non-image, truncated or corrupt file.
-    Transparency is dropped (Pillow's convert), as timm's and torchvision's loaders do; only the first
-    frame of an animation is used.
+    Turned upright by its EXIF orientation tag, if any. Transparency is dropped (Pillow's convert), as
+    timm's and torchvision's loaders do; only the first frame of an animation is used.
     """
     try:
         file = open(path, "rb")  # noqa: SIM115 -- closed below, whichever way decoding ends
@@ -32,7 +33,8 @@ def load_image(path: str | os.PathLike, mode: str = "RGB") -> Image.Image:
             raise UnreadableImage("empty file")
         try:
             with Image.open(file) as image:
-                return image.convert(mode)  # convert() decodes the whole image: truncation shows here
+                ImageOps.exif_transpose(image, in_place=True)  # decodes the whole image: truncation shows here
+                return image.convert(mode)
         except UnidentifiedImageError:
             raise UnreadableImage("not an image (unrecognised format)") from None
         except Exception as e:  # noqa: BLE001 -- Pillow raises OSError, SyntaxError, ValueError, ... on bad data

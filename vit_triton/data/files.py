@@ -3,8 +3,11 @@ and resizes them (in DataLoader workers), turning unreadable files into reasons 
 
 from __future__ import annotations
 
+import ctypes
 import glob
 import os
+import signal
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +19,7 @@ from .decode import UnreadableImage, load_image
 from .preprocess import Preprocess
 
 _GLOB_CHARS = "*?["
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def list_inputs(spec: str) -> list[str]:
@@ -86,6 +90,16 @@ class ImageFiles(Dataset):
         return Batch([i for i, _ in good], pixels, [(i, reason) for i, p, reason in items if p is None])
 
 
-def worker_init(_: int) -> None:
-    """One thread per DataLoader worker: the parallelism is across workers."""
+def worker_init(main_pid: int, _: int) -> None:
+    """worker_init_fn, with the DataLoader's process bound as main_pid (functools.partial): one thread per
+    worker, the parallelism being across workers; on Linux the worker dies with its parent, which it would
+    otherwise outlive after a kill -9 (blocked on a slow file, say)."""
     torch.set_num_threads(1)
+    if sys.platform == "linux":
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+        try:
+            os.kill(main_pid, 0)  # still there? If it died before prctl, no signal will come
+        except ProcessLookupError:
+            os._exit(1)

@@ -58,7 +58,7 @@ def capture_stream(device: torch.device | None = None) -> torch.cuda.Stream:
     torch.cuda.Stream() gives out PyTorch's pooled streams in turn, 32 a device, so a stream taken for
     a capture can be the one another thread is copying on; its copies and their events then land in the
     capture, and that thread's next pin_memory() fails with "CUDA error: invalid argument" (seen on an
-    H100 when tuning beside a thread that copies on a stream of its own, benchmarks/NOTES.md 39)."""
+    H100 when tuning beside a thread that copies on a stream of its own)."""
     index = torch.cuda.current_device() if device is None or device.index is None else device.index
     streams = _THREAD.__dict__.setdefault("streams", {})
     if index not in streams:

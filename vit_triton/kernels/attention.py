@@ -17,8 +17,7 @@ at once, in up to three power-of-two pieces (197: 128 + 64 + 16), and holds ever
 block, so the softmax is one max, one exponential and one sum a score with no rescaling in between.
 Its loads are not pipelined and it needs about twice the registers, 1.5-1.8x slower than streaming
 where the launch is many waves deep; where the GPU is latency-bound (ViT-B/16, 1-5 images) its one
-dependent chain (scores, max, exponentials, P V) instead of one a key block wins in the forward
-(benchmarks/NOTES.md 44).
+dependent chain (scores, max, exponentials, P V) instead of one a key block wins in the forward.
 
 Cost: 4*B*H*T*T*Dh FLOPs (two GEMMs) + B*H*T*T exponentials; at least 4*B*T*H*Dh elements moved.
 """

@@ -57,8 +57,7 @@ def _layer_norm_kernel(
     if y_ptr.dtype.element_ty == tl.float32:
         # y_tf32 is read at run time, so that the rounded y is the unrounded one's rounding bit for bit. Two
         # builds of this kernel may fuse different products of the sum of squares into FMAs (d0*d0 + d1*d1
-        # as fma(d0, d0, d1*d1) or fma(d1, d1, d0*d0)), and one y in about 10^5 then rounds the other way
-        # (benchmarks/NOTES.md 74).
+        # as fma(d0, d0, d1*d1) or fma(d1, d1, d0*d0)), and one y in about 10^5 then rounds the other way.
         y = tl.where(y_tf32 != 0, to_tf32(y), y)
     start_next_kernel(PDL)
     tl.store(y_ptr + rows * stride_ym + cols[None, :], cast(y, y_ptr.dtype.element_ty), mask=mask)
@@ -129,7 +128,7 @@ def _launch(x, weight, bias, out, eps: float, parts: torch.Tensor | None, total:
     M, D = x.shape
     block_d = triton.next_power_of_2(D)
     # About 2K elements a program: several rows when D is small, two at ViT-B's 768 (one image's 197 rows
-    # then spread over 99 programs, not 50: 1.03x the forward at 1-2 images, benchmarks/NOTES.md 28).
+    # then spread over 99 programs, not 50: 1.03x the forward at 1-2 images).
     block_m = max(1, min(2048 // block_d, triton.next_power_of_2(M)))
     num_warps = min(16, max(1, block_m * block_d // 512))
     _layer_norm_kernel[(triton.cdiv(M, block_m),)](

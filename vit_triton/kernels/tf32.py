@@ -3,8 +3,7 @@
 A matmul on tf32 tensor cores rounds each fp32 operand to 10 mantissa bits (to nearest, as cuBLAS
 does: _common.to_tf32). Rounded inside a GEMM's K loop, the weight tile round-trips through
 registers to shared memory (wgmma reads B from there only) and the x tile is fed from registers,
-every K step of every program: ViT-B/16's GEMMs ran 1.3-2.1x slower for it on an H100
-(benchmarks/NOTES.md 26). So the operands come rounded:
+every K step of every program: ViT-B/16's GEMMs ran 1.3-2.1x slower for it on an H100. So the operands come rounded:
 
 - weights: a GEMM reads a copy of W rounded once by round_to_tf32 and kept while W lives (tf32_weight).
   The copy follows in-place changes to W (optimizer steps, load_state_dict, copy_): W's version counter
@@ -42,7 +41,7 @@ from ._common import INTERPRET, check_dtype, pdl, start_next_kernel, to_tf32, wa
 
 BLOCK = 4096   # elements a program: 16 KB read, 16 KB written
 # Without a kept copy, a GEMM of at least this many rows reads its weight rounded for the call
-# (benchmarks/NOTES.md 26); 64 under the interpreter, so that tests reach both paths at small sizes.
+#; 64 under the interpreter, so that tests reach both paths at small sizes.
 TF32_WEIGHT_ROWS = 64 if INTERPRET else 1024
 
 

@@ -1,4 +1,5 @@
-"""What every loader shares: checking a mapped state dict against the model it must fill."""
+"""What every loader shares: renaming a checkpoint's keys to ours, remembering where each tensor came from,
+and checking the result against the model it must fill, in the checkpoint's own names."""
 
 from __future__ import annotations
 
@@ -22,17 +23,83 @@ def rename(keys: Iterable[str], rules: list[tuple[str, str]]) -> dict[str, str]:
     return mapping
 
 
-def check_state_dict(cfg: ViTConfig, state_dict: dict[str, torch.Tensor], source: str,
-                     unmapped: Iterable[str] = ()) -> None:
-    """Raise ValueError listing every missing, unexpected and mis-shaped key at once."""
-    expected = {k: tuple(v.shape) for k, v in ViT(cfg, device="meta").state_dict().items()}
-    problems = [f"missing: {k} {list(s)}" for k, s in expected.items() if k not in state_dict]
-    problems += [f"unexpected: {k}" for k in sorted(unmapped)]
-    problems += [f"unexpected: {k}" for k in state_dict if k not in expected]
-    problems += [f"wrong shape: {k} is {list(state_dict[k].shape)}, expected {list(expected[k])}"
-                 for k in expected if k in state_dict and tuple(state_dict[k].shape) != expected[k]]
-    if problems:
-        raise ValueError(f"{source} checkpoint does not fit {cfg}:\n  " + "\n  ".join(problems))
+class Mapped:
+    """A checkpoint's tensors under our names (`tensors`), with the checkpoint keys each came from (`origin`),
+    so that every problem can be reported by the names the user's checkpoint has."""
+
+    def __init__(self, state_dict: dict[str, torch.Tensor], rules: list[tuple[str, str]],
+                 unused: list[tuple[str, str]] = ()) -> None:
+        mapping = rename(state_dict, rules)
+        self.checkpoint_keys = set(state_dict)
+        self.tensors = {mapping[k]: v for k, v in state_dict.items() if k in mapping}
+        self.origin = {ours: [theirs] for theirs, ours in mapping.items()}
+        self.unexpected = set(state_dict) - set(mapping) - set(rename(state_dict, unused))
+        self.problems: list[str] = []
+        self.reported: set[str] = set()   # our keys whose problem is already in `problems`
+        self.missing_parts: dict[str, list[str]] = {}   # our key -> the parts of it (concat) the checkpoint lacks
+
+    def concat(self, key: str, parts: Iterable[str], shape: tuple[int, ...] | None = None) -> None:
+        """tensors[key] = the present `parts` concatenated along dim 0. shape: each part's expected shape, and
+        every part required (q, k, v into qkv); else each part is reshaped to rows of the last dim (tokens)."""
+        parts = list(parts)
+        present = [p for p in parts if p in self.tensors]
+        if shape is not None and len(present) < len(parts):
+            self.missing_parts[key] = [p for p in parts if p not in present]
+        if not present:
+            return
+        origin = [name for p in parts for name in self.origin.get(p, [])]
+        if shape is None:
+            width = self.tensors[present[0]].shape[-1]
+            tensors = [self.tensors.pop(p).reshape(-1, width) for p in present]
+        else:
+            wrong = [p for p in present if tuple(self.tensors[p].shape) != shape]
+            self.problems += [f"wrong shape: {self.origin[p][0]} is {list(self.tensors[p].shape)}, expected "
+                              f"{list(shape)}" for p in wrong]
+            tensors = [self.tensors.pop(p) for p in present]
+            if wrong or len(present) < len(parts):   # reported here, or as missing parts by check
+                self.reported.update([key] if wrong else [])
+                return
+        self.tensors[key] = torch.cat(tensors)
+        self.origin[key] = origin
+
+    def reshape(self, key: str, *shape: int) -> None:
+        if key in self.tensors:
+            self.tensors[key] = self.tensors[key].reshape(*shape)
+
+    def check(self, cfg: ViTConfig, source: str) -> dict[str, torch.Tensor]:
+        """The tensors, or ValueError listing every missing, unexpected and mis-shaped key at once."""
+        expected = {k: tuple(v.shape) for k, v in ViT(cfg, device="meta").state_dict().items()}
+        problems = list(self.problems)
+        problems += [self._missing(k, s) for k, s in expected.items() if k not in self.tensors and k not in self.reported]
+        problems += [f"unexpected: {k}" for k in sorted(self.unexpected)]
+        problems += [f"unexpected: {' + '.join(self.origin.get(k, [k]))}" for k in self.tensors if k not in expected]
+        problems += [f"wrong shape: {' + '.join(self.origin[k])} is {list(self.tensors[k].shape)}, expected "
+                     f"{list(expected[k])}" for k in expected
+                     if k in self.tensors and tuple(self.tensors[k].shape) != expected[k]]
+        if problems:
+            raise ValueError(f"{source} checkpoint does not fit {cfg}:\n  " + "\n  ".join(problems))
+        return self.tensors
+
+    def _missing(self, key: str, shape: tuple[int, ...]) -> str:
+        """The checkpoint keys that our `key` needs and the checkpoint lacks, named as the same key of another
+        block is, with the block's number changed; our own name where no other block has it."""
+        theirs = [self._their_names(part) for part in self.missing_parts.get(key, [key])]
+        if None in theirs:
+            return f"missing: {key} {list(shape)}"
+        return f"missing: {', '.join(name for names in theirs for name in names)} (for {key} {list(shape)})"
+
+    def _their_names(self, key: str) -> list[str] | None:
+        match = re.fullmatch(r"(.*?\.)(\d+)(\..*)", key)
+        if match:
+            head, number, tail = match.groups()
+            for other, names in self.origin.items():
+                sibling = re.fullmatch(re.escape(head) + r"(\d+)" + re.escape(tail), other)
+                if sibling and sibling.group(1) != number:
+                    renamed = [name.replace(f".{sibling.group(1)}.", f".{number}.", 1) for name in names]
+                    missing = [name for name in renamed if name not in self.checkpoint_keys]
+                    if missing:
+                        return missing
+        return None
 
 
 def build(cfg: ViTConfig, state_dict: dict[str, torch.Tensor], like: torch.Tensor) -> ViT:

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+import socket
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,10 +85,12 @@ def _hub(repo_id: str) -> CheckpointFiles:
         raise CheckpointNotFound(f"{repo_id} is not a local directory or file, and reading hub ids needs "
                                  f"huggingface_hub (pip install huggingface_hub)") from None
 
+    unreachable = _hub_unreachable()
+
     def download(filename: str) -> Path | None:
         """The cached file, or None if the repository has no such file."""
         try:
-            return Path(hf_hub_download(repo_id, filename))
+            return Path(hf_hub_download(repo_id, filename, local_files_only=unreachable is not None))
         except RepositoryNotFoundError:
             raise CheckpointNotFound(f"{repo_id}: not a local directory or file, and no such model on the "
                                      f"HuggingFace hub (or it is private or gated: log in with `hf auth login`)"
@@ -96,8 +101,9 @@ def _hub(repo_id: str) -> CheckpointFiles:
             # Offline (HF_HUB_OFFLINE=1 or no network) and not in the cache: the file may or may not exist.
             if filename == "config.json":
                 raise CheckpointNotFound(
-                    f"{repo_id}: not a local directory or file, not in the HuggingFace cache "
-                    f"({_cache_dir()}), and the hub cannot be reached") from None
+                    f"{repo_id}: no such local directory or file, not in the HuggingFace cache "
+                    f"({_cache_dir()}), and the hub cannot be reached to look it up as a hub id"
+                    + (f" ({unreachable})" if unreachable else "")) from None
             return None
         except EntryNotFoundError:
             return None
@@ -121,6 +127,25 @@ def _hub(repo_id: str) -> CheckpointFiles:
     return CheckpointFiles(repo_id, config, shards, download("preprocessor_config.json"))
 
 
+def _hub_unreachable(timeout: float = 3.0) -> str | None:
+    """Why the hub's host cannot be reached, or None if it can (or through a proxy, which is not tried):
+    huggingface_hub retries an unreachable host for about 25 s before it gives up."""
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    url = urlsplit(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout).close()
+    except OSError as e:
+        return f"{url.hostname}: {e.strerror or e}"
+    return None
+
+
 def _cache_dir() -> str:
     from huggingface_hub import constants
 
@@ -135,19 +160,42 @@ def read_json(path: Path) -> dict:
 
 
 def read_weights(files: tuple[Path, ...]) -> dict[str, torch.Tensor]:
-    """All tensors of the weight file(s), on the CPU, in the checkpoint's dtype."""
+    """All tensors of the weight file(s), on the CPU, in the checkpoint's dtype. A file that cannot be read
+    raises ValueError naming it and what is wrong, in one line."""
     state_dict: dict[str, torch.Tensor] = {}
     for path in files:
-        if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            part = load_file(path, device="cpu")
-        else:
-            part = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            for wrapper in ("state_dict", "model"):  # training checkpoints nest the weights
-                if isinstance(part, dict) and isinstance(part.get(wrapper), dict):
-                    part = part[wrapper]
+        part = _read_safetensors(path) if path.suffix == ".safetensors" else _read_pickled(path)
         if not isinstance(part, dict):
             raise ValueError(f"{path} does not hold a state dict (found {type(part).__name__})")
         state_dict.update(part)
     return state_dict
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(path, device="cpu")
+    except SafetensorError as e:
+        raise ValueError(f"{path} is not a readable safetensors file, truncated or corrupt? ({_first_line(e)})") from None
+
+
+def _read_pickled(path: Path):
+    # torch.save has written zip archives since PyTorch 1.6, and only those load memory-mapped; torch.load's own
+    # message for anything else is about a serialization flag, which says nothing of a damaged file.
+    if not zipfile.is_zipfile(path):
+        raise ValueError(f"{path} is not a PyTorch checkpoint: not the zip archive torch.save writes "
+                         f"(truncated or corrupt?)")
+    try:
+        part = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except (RuntimeError, pickle.UnpicklingError, zipfile.BadZipFile, EOFError, ValueError) as e:
+        raise ValueError(f"{path} is not a readable PyTorch checkpoint ({_first_line(e)})") from None
+    for wrapper in ("state_dict", "model"):  # training checkpoints nest the weights
+        if isinstance(part, dict) and isinstance(part.get(wrapper), dict):
+            part = part[wrapper]
+    return part
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..model import ViT, ViTConfig
-from ._common import build, check_state_dict, rename
+from ._common import Mapped, build
 
 _ACTIVATIONS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
                 "quick_gelu": "quick_gelu"}
@@ -76,24 +76,16 @@ def hf_num_classes(state_dict: dict[str, torch.Tensor]) -> int:
 
 
 def hf_state_dict_to_vit(state_dict: dict[str, torch.Tensor], cfg: ViTConfig) -> dict[str, torch.Tensor]:
-    """Our state dict from a HF ViT one (either key spelling); raises listing every mismatch."""
-    mapping = rename(state_dict, _RULES)
-    out = {mapping[k]: v for k, v in state_dict.items() if k in mapping}
-    prefix = [out.pop(k).reshape(-1, cfg.embed_dim) for k in ("cls_token", "distillation_token") if k in out]
-    if prefix:
-        out["prefix_tokens"] = torch.cat(prefix)
-    if "pos_embed" in out:
-        out["pos_embed"] = out["pos_embed"].reshape(-1, cfg.embed_dim)
+    """Our state dict from a HF ViT one (either key spelling); raises listing every mismatch by the
+    checkpoint's own key names."""
+    mapped = Mapped(state_dict, _RULES, _UNUSED)
+    d = cfg.embed_dim
+    mapped.concat("prefix_tokens", ("cls_token", "distillation_token"))
+    mapped.reshape("pos_embed", -1, d)
     for i in range(cfg.depth):
-        for part in ("weight", "bias"):
-            qkv = [out.pop(f"blocks.{i}.{n}.{part}", None) for n in "qkv"]
-            if all(t is not None for t in qkv):
-                out[f"blocks.{i}.qkv.{part}"] = torch.cat(qkv)
-            else:
-                out.update({f"blocks.{i}.{n}.{part}": t for n, t in zip("qkv", qkv) if t is not None})
-    unused = rename(state_dict, _UNUSED)
-    check_state_dict(cfg, out, "HuggingFace ViT", unmapped=set(state_dict) - set(mapping) - set(unused))
-    return out
+        mapped.concat(f"blocks.{i}.qkv.weight", (f"blocks.{i}.{n}.weight" for n in "qkv"), shape=(d, d))
+        mapped.concat(f"blocks.{i}.qkv.bias", (f"blocks.{i}.{n}.bias" for n in "qkv"), shape=(d,))
+    return mapped.check(cfg, "HuggingFace ViT")
 
 
 HF_ARCHITECTURES = ("ViTModel", "ViTForImageClassification", "DeiTModel", "DeiTForImageClassification",

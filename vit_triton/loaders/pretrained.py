@@ -89,6 +89,9 @@ def _hf(source: str, config: dict, state_dict: dict, preprocessing: dict):
     if architecture.endswith(("Classification", "WithTeacher")):
         # A classifier's missing head must be reported missing, not turn the model into a bare one.
         num_classes = hf_num_classes(state_dict) or len(id2label) or config.get("num_labels", 2)
+        if id2label and len(id2label) != num_classes:
+            raise ValueError(f"{source}: config.json names {len(id2label)} labels (id2label), but the classifier "
+                             f"has {num_classes} rows")
     cfg = hf_config_to_vit(config, num_classes, head_dist=architecture.endswith("WithTeacher"))
     ours = hf_state_dict_to_vit(state_dict, cfg)
     labels = {i: id2label.get(i, f"LABEL_{i}") for i in range(num_classes)}
@@ -117,7 +120,7 @@ def _timm(source: str, config: dict, state_dict: dict):
         raise ValueError(f"unsupported timm VisionTransformer feature in {architecture}: {'; '.join(sorted(found))}")
     cfg = _timm_config(architecture, config, state_dict)
     ours = timm_state_dict_to_vit(state_dict, cfg)
-    return cfg, ours, CheckpointInfo(source, "timm", architecture, _timm_labels(config, cfg.num_classes),
+    return cfg, ours, CheckpointInfo(source, "timm", architecture, _timm_labels(source, config, cfg.num_classes),
                                      config.get("pretrained_cfg") or {})
 
 
@@ -157,7 +160,7 @@ def _timm_config(architecture: str, config: dict, sd: dict) -> ViTConfig:
     )
 
 
-def _timm_labels(config: dict, num_classes: int) -> dict[int, str]:
+def _timm_labels(source: str, config: dict, num_classes: int) -> dict[int, str]:
     """Names from config.json's label_names (and label_descriptions), else ImageNet's if timm is installed."""
     if not num_classes:
         return {}
@@ -168,6 +171,12 @@ def _timm_labels(config: dict, num_classes: int) -> dict[int, str]:
         names = dict(enumerate(names))
     else:
         names = _imagenet_names(num_classes)
+    if config.get("label_names") and len(names) != num_classes:
+        raise ValueError(f"{source}: config.json names {len(names)} labels (label_names), but the classifier has {num_classes} "
+                         f"rows")
+    if config.get("num_classes", num_classes) != num_classes:
+        raise ValueError(f"{source}: config.json says num_classes {config['num_classes']}, but the classifier has "
+                         f"{num_classes} rows")
     descriptions = config.get("label_descriptions") or {}
     return {i: descriptions.get(names.get(i), names.get(i, f"LABEL_{i}")) for i in range(num_classes)}
 

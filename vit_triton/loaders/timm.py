@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..model import ViT, ViTConfig
-from ._common import build, check_state_dict, rename
+from ._common import Mapped, build
 
 _RULES = [
     (r"patch_embed\.proj\.(weight|bias)", r"patch_embed.\1"),
@@ -80,16 +80,12 @@ def timm_config_to_vit(module: nn.Module) -> ViTConfig:
 
 
 def timm_state_dict_to_vit(state_dict: dict[str, torch.Tensor], cfg: ViTConfig) -> dict[str, torch.Tensor]:
-    """Our state dict from a timm VisionTransformer one; raises listing every mismatch."""
-    mapping = rename(state_dict, _RULES)
-    out = {mapping[k]: v for k, v in state_dict.items() if k in mapping}
-    prefix = [out.pop(k).reshape(-1, cfg.embed_dim) for k in ("cls_token", "dist_token", "reg_token") if k in out]
-    if prefix:
-        out["prefix_tokens"] = torch.cat(prefix)
-    if "pos_embed" in out:
-        out["pos_embed"] = out["pos_embed"].reshape(-1, cfg.embed_dim)
-    check_state_dict(cfg, out, "timm VisionTransformer", unmapped=set(state_dict) - set(mapping))
-    return out
+    """Our state dict from a timm VisionTransformer one; raises listing every mismatch by the checkpoint's
+    own key names."""
+    mapped = Mapped(state_dict, _RULES)
+    mapped.concat("prefix_tokens", ("cls_token", "dist_token", "reg_token"))
+    mapped.reshape("pos_embed", -1, cfg.embed_dim)
+    return mapped.check(cfg, "timm VisionTransformer")
 
 
 def from_timm(module: nn.Module) -> ViT:

@@ -147,6 +147,9 @@ class ViT(nn.Module):
     def forward_features(self, pixels: torch.Tensor) -> torch.Tensor:
         """Tokens [B, T, D] after the blocks and the final norm (HF last_hidden_state)."""
         self._check_pixels(pixels)
+        cfg = self.config
+        if pixels.shape[0] == 0:   # no image: no kernel has a program to run
+            return self.pos_embed.new_empty(0, cfg.num_tokens, cfg.embed_dim)
         pe = self.patch_embed
         tokens = patch_embed(pixels, pe.weight, pe.bias, self.pos_embed, self.prefix_tokens)
         batch, num_tokens, d = tokens.shape
@@ -163,6 +166,9 @@ class ViT(nn.Module):
 
     def forward_head(self, features: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         """Pool (class token or patch mean), fc_norm, then the classifier unless pre_logits."""
+        if features.shape[0] == 0:
+            heads = self.head is not None and not pre_logits
+            return features.new_empty(0, self.config.num_classes if heads else features.shape[-1])
         if self.head_dist is not None:
             # DeiT distilled: class and distillation token each have a classifier; both are averaged.
             if pre_logits:

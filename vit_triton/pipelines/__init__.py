@@ -4,7 +4,7 @@ These sit below data/ in the layers (they use decoding, preprocessing and the lo
 """
 
 from .classify import classify
-from .embed import EmbedOptions, embed
+from .embed import EmbedOptions, embed, embed_images
 from .store import Summary, UsageError
 
-__all__ = ["EmbedOptions", "Summary", "UsageError", "classify", "embed"]
+__all__ = ["EmbedOptions", "Summary", "UsageError", "classify", "embed", "embed_images"]

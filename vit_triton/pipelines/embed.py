@@ -7,16 +7,18 @@ through pinned memory one batch later, so that copying and writing overlap the n
 never straddle a chunk (store.py), so a batch holds the same images however the work is split, and a
 resumed or a torchrun run writes what one uninterrupted process would.
 
-Under torchrun (WORLD_SIZE > 1) rank 0 lists the inputs and chooses the chunks still to do; rank r
-takes every world-th of them; rank 0 merges when all are done. The process group (gloo) carries
-only these small messages, never tensors.
+Under torchrun (WORLD_SIZE > 1) rank 0 locks the output for the whole run, lists the inputs and
+chooses the chunks still to do; rank r takes every world-th of them; rank 0 merges when all are done.
+The process group (gloo) carries only these small messages, never tensors.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -25,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Sampler
 
-from ..data import Preprocess
+from ..data import Preprocess, UnreadableImage, load_image
 from ..data.files import Batch, ImageFiles, list_inputs, worker_init
 from ..loaders import from_pretrained
 from ..runtime import CUDAGraphRunner
@@ -97,6 +99,33 @@ class _InFlight:
         return [h.numpy().copy() for h in self.host]  # out of pinned memory, which stays for reuse
 
 
+def embed_images(model, images: list, *, batch_size: int = 32, normalize: bool = False,
+                 preprocess: Preprocess | None = None) -> torch.Tensor:
+    """The pooled embeddings [N, D] that `vit-triton embed` writes, float32 on the CPU, of `images` in order:
+    paths (decoded as embed decodes them) or PIL images. A file that cannot be read raises UnreadableImage
+    naming it: a tensor has no row to skip."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    pre = preprocess or Preprocess.for_model(model)
+    mode = "L" if pre.channels == 1 else "RGB"
+    outputs = embedding_fn(model, pre, normalize, False, torch.float32)
+    rows = [torch.empty(0, model.config.embed_dim)]
+    with torch.inference_mode():
+        for start in range(0, len(images), batch_size):
+            pixels = torch.stack([pre.resize_crop(_decoded(x, mode)) for x in images[start:start + batch_size]])
+            rows.append(outputs(pixels.to(model.pos_embed.device))[0].cpu())
+    return torch.cat(rows)
+
+
+def _decoded(image, mode: str):
+    if not isinstance(image, (str, os.PathLike)):
+        return image.convert(mode)
+    try:
+        return load_image(image, mode)
+    except UnreadableImage as e:
+        raise UnreadableImage(f"{image}: {e}") from None
+
+
 def embedding_fn(model, pre: Preprocess, normalize: bool, tokens: bool, output_dtype: torch.dtype):
     """The GPU's share of a batch: uint8 pixels [B, C, H, W] on the model's device -> (pooled embeddings [B, D],
     and with tokens every token's features [B, T, D]) in output_dtype, L2-normalized with normalize."""
@@ -151,6 +180,22 @@ def _broadcast(obj, world: int):
     return box[0]
 
 
+def _from_rank0(decide, rank: int, world: int):
+    """decide() on rank 0, and its result on every rank; its UsageError or OSError raised on every rank."""
+    answer = error = None
+    if rank == 0:
+        try:
+            answer = ("ok", decide())
+        except (UsageError, OSError) as e:
+            answer, error = ("error", isinstance(e, UsageError), str(e)), e
+    answer = _broadcast(answer, world)
+    if error is not None:
+        raise error
+    if answer[0] == "error":
+        raise (UsageError if answer[1] else OSError)(answer[2])
+    return answer[1]
+
+
 def _sum(value: int, world: int) -> int:
     if world == 1:
         return value
@@ -162,10 +207,11 @@ def _sum(value: int, world: int) -> int:
 
 
 def embed(opts: EmbedOptions, log=lambda msg: print(msg, file=sys.stderr, flush=True)) -> Summary | None:
-    """Run (or resume, or recognise as done) one embed command; the Summary on rank 0, None elsewhere.
+    """Run (or resume, or add INPUT's new files to a finished output, or recognise as done) one embed
+    command; the Summary on rank 0, None elsewhere.
 
-    Raises UsageError for bad options or an output from other settings, CheckpointNotFound for a
-    model that is not there, ValueError for a checkpoint that cannot be used.
+    Raises UsageError for bad options, an output from other settings or one another run is writing,
+    CheckpointNotFound for a model that is not there, ValueError for a checkpoint that cannot be used.
     """
     rank, world, local_rank = _distributed()
     try:
@@ -205,44 +251,44 @@ def _embed(opts: EmbedOptions, rank: int, world: int, local_rank: int, log) -> S
     settings = {"model": opts.model, "input": opts.input, "chunk_size": chunk_size, "normalize": opts.normalize,
                 "tokens": opts.tokens, "dtype": str(dtype).removeprefix("torch."), "output_dtype": opts.output_dtype}
     store = ChunkStore(opts.output, settings)
+    with ExitStack() as held:
+        # One run at a time into an output (two would take each other's chunks and temporary files): rank 0
+        # holds the lock for every rank of this run until it ends, and a second run is refused before loading.
+        _from_rank0(lambda: held.enter_context(store.lock()), rank, world)
+        model = from_pretrained(opts.model, device=device, dtype=dtype)
+        pre = Preprocess.for_model(model)
 
-    model = from_pretrained(opts.model, device=device, dtype=dtype)
-    pre = Preprocess.for_model(model)
+        # Rank 0 decides; everyone gets its decision (or its error, to exit the same way).
+        inputs = None
 
-    # Rank 0 decides; everyone gets its decision (or its error, to exit the same way).
-    plan = inputs = None
-    if rank == 0:
-        try:
-            inputs, state = store.prepare(lambda: _list(opts.input), overwrite=opts.overwrite)
-            plan = ("ok", state, None if inputs is None else store.pending(len(inputs)))
-        except (UsageError, OSError) as e:
-            plan = ("error", type(e).__name__, str(e))
-    plan = _broadcast(plan, world)
-    if plan[0] == "error":
-        raise UsageError(plan[2]) if plan[1] == "UsageError" else OSError(plan[2])
-    _, state, pending = plan
-    if state == "complete":
-        log(f"vit-triton embed: {opts.output} is already complete; nothing to do")
-        return store.finished_summary() if rank == 0 else None
-    if inputs is None:
-        inputs = store.read_inputs()
-    if state == "resumed":
-        total = store.num_chunks(len(inputs))
-        log(f"vit-triton embed: resuming {opts.output}: {total - len(pending)} of {total} chunks already done")
+        def plan():
+            nonlocal inputs
+            inputs, state = store.prepare(lambda: _list(opts.input), log, overwrite=opts.overwrite)
+            return state, None if inputs is None else store.pending(len(inputs))
 
-    mine = {k: store.chunk_range(k, len(inputs)) for k in pending[rank::world]}
-    start = time.perf_counter()
-    processed = _run(model, pre, inputs, mine, store, opts, device, batch_size, rank, world, local_rank)
-    processed = _sum(processed, world)
-    if world > 1:
-        import torch.distributed as dist
+        state, pending = _from_rank0(plan, rank, world)
+        if state == "complete":
+            log(f"vit-triton embed: {opts.output} is already complete; nothing to do")
+            return store.finished_summary() if rank == 0 else None
+        if inputs is None:
+            inputs = store.read_inputs()
+        if state == "resumed":
+            total = store.num_chunks(len(inputs))
+            log(f"vit-triton embed: resuming {opts.output}: {total - len(pending)} of {total} chunks already done")
 
-        dist.barrier()
-    if rank != 0:
-        return None
-    summary = store.finalize(inputs)
-    return Summary(summary.output, summary.done, summary.skipped, summary.skipped_file, processed,
-                   time.perf_counter() - start)
+        mine = {k: store.chunk_range(k, len(inputs)) for k in pending[rank::world]}
+        start = time.perf_counter()
+        processed = _run(model, pre, inputs, mine, store, opts, device, batch_size, rank, world, local_rank)
+        processed = _sum(processed, world)
+        if world > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+        if rank != 0:
+            return None
+        summary = store.finalize(inputs)
+        return Summary(summary.output, summary.done, summary.skipped, summary.skipped_file, processed,
+                       time.perf_counter() - start)
 
 
 def _list(spec: str) -> list[str]:
@@ -265,7 +311,8 @@ def _run(model, pre: Preprocess, inputs: list[str], chunks: dict[int, range], st
         workers = max(1, (os.cpu_count() or 1) // local_world - 1)
     loader = DataLoader(dataset, batch_sampler=ChunkBatches(list(chunks.values()), batch_size),
                         num_workers=workers, collate_fn=dataset.collate, pin_memory=device.type == "cuda",
-                        worker_init_fn=worker_init if workers else None, persistent_workers=False)
+                        worker_init_fn=functools.partial(worker_init, os.getpid()) if workers else None,
+                        persistent_workers=False)
     writer = ChunkWriter(store, chunks)
     out_dtype = OUTPUT_DTYPES[opts.output_dtype]
     cfg = model.config
@@ -284,8 +331,8 @@ def _run(model, pre: Preprocess, inputs: list[str], chunks: dict[int, range], st
         bar.update(len(b.indices) + len(b.skipped))
 
     compute = embedding_fn(model, pre, opts.normalize, opts.tokens, out_dtype)
-    # On a GPU, full batches replay one CUDA graph (an eager forward waits on Python's launches, benchmarks/NOTES.md
-    # 61); a batch made short by the end of a chunk or by unreadable files runs eagerly, the same computation.
+    # On a GPU, full batches replay one CUDA graph (an eager forward waits on Python's
+    # launches); a batch made short by the end of a chunk or by unreadable files runs eagerly, the same computation.
     graphed = CUDAGraphRunner(model, forward=compute) if device.type == "cuda" else None
     in_flight = None
     with torch.inference_mode():

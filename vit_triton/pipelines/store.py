@@ -1,12 +1,15 @@
 """The embed command's output: chunks written atomically beside the output, with a manifest, merged
 into one file at the end. This is what makes a run resumable after any kill, kill -9 included.
 
-While running, for OUT = embeddings.parquet (or embeddings.npy), the work directory OUT.partial/ holds
+While running, for OUT = embeddings.parquet (or embeddings.npy), the run holds a lock on OUT.lock
+(one run at a time into an output; the kernel releases it when the process dies), and the work
+directory OUT.partial/ holds
 
   manifest.json         the settings that decide the output; a resumed run must have the same
   inputs.jsonl          the input paths, one JSON string per line: line i is input i
   chunk-000012.npz      chunk 12 (inputs 12*C .. 13*C-1): index, embedding [n, D] (, tokens [n, T, D])
   chunk-000012.json     its done marker, written after the data: rows, and the skipped (index, reason)
+  base.*                when adding new inputs to a finished output: its files as they were (hard links)
 
 Every file goes to a temporary name, is flushed to disk and renamed, so a chunk is either complete
 or absent; a resumed run redoes exactly the chunks without a marker. The finished output is
@@ -16,20 +19,27 @@ or absent; a resumed run redoes exactly the chunks without a marker. The finishe
   embeddings.skipped.tsv  path and reason of each input that is not an image or cannot be read
 
 in input order, skipped inputs left out. The settings travel in the output (Parquet metadata, the
-paths file), so running a finished command again is recognised and does nothing.
+paths file), so running a finished command again is recognised: it embeds only the files new in INPUT
+and writes their rows after the output's (inputs gone from INPUT are named, and stay in the output).
+INPUT is recorded and compared as an absolute path: imgs, imgs/ and ./imgs are one folder.
 """
 
 from __future__ import annotations
 
 import csv
+import errno
+import fcntl
 import io
 import json
 import os
 import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from ..utils import require, write_atomic
 
 FORMATS = (".parquet", ".npy")
 _META_KEY = b"vit_triton"
@@ -49,16 +59,6 @@ class Summary:
     seconds: float = 0.0      # this run's time
 
 
-def write_atomic(path: Path, write) -> None:
-    """write(file) into a temporary file beside `path`, flushed to disk, then renamed onto it."""
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _json_bytes(obj) -> bytes:
     return json.dumps(obj, indent=1).encode()
 
@@ -71,9 +71,12 @@ class ChunkStore:
         if self.output.suffix not in FORMATS:
             raise UsageError(f"--output must end in {' or '.join(FORMATS)} (Parquet, or NumPy + a paths file), "
                              f"got {self.output}")
-        self.settings = settings
+        if self.output.suffix == ".parquet":
+            require("pyarrow.parquet", "embed", "--output *.parquet")
+        self.settings = _absolute_input(settings)
         self.chunk_size: int = settings["chunk_size"]
         self.work = self.output.with_name(self.output.name + ".partial")
+        self.lock_file = self.output.with_name(self.output.name + ".lock")
         stem = self.output.name.removesuffix(self.output.suffix)
         self.skipped_file = self.output.with_name(stem + ".skipped.tsv")
         self.paths_file = self.output.with_name(stem + ".paths.json")
@@ -82,9 +85,43 @@ class ChunkStore:
 
     # -- starting, resuming --
 
-    def prepare(self, list_inputs, overwrite: bool = False) -> tuple[list[str] | None, str]:
-        """Start a run or pick one up: (inputs, "new" | "resumed"), or (None, "complete") when this
-        output is already finished with the same settings. Rank 0 only."""
+    @contextmanager
+    def lock(self):
+        """Hold OUT.lock for the with-block: a POSIX record lock, which the kernel releases when the process
+        ends, however (kill -9 included), and which child processes do not inherit. Raises UsageError,
+        naming the process that holds it, while another one does."""
+        self.lock_file.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                os.close(fd)
+                if e.errno not in (errno.EACCES, errno.EAGAIN):
+                    raise
+                raise UsageError(f"another vit-triton embed run (PID {self._lock_holder()}) is writing "
+                                 f"{self.output}: it holds {self.lock_file}; wait for it to end, or stop it") from None
+            if _same_file(fd, self.lock_file):
+                break
+            os.close(fd)  # removed by a run that just ended (see below): lock the file now at its path
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+            yield
+        finally:
+            self.lock_file.unlink(missing_ok=True)  # still holding it, so that no one locks the removed file
+            os.close(fd)
+
+    def _lock_holder(self) -> str:
+        try:
+            return self.lock_file.read_text().strip() or "?"
+        except OSError:
+            return "?"
+
+    def prepare(self, list_inputs, log, overwrite: bool = False) -> tuple[list[str] | None, str]:
+        """Start a run or pick one up: (inputs, "new" | "resumed"), (the inputs new in INPUT, "added") to add
+        to this finished output, or (None, "complete") when it is finished with the same settings and INPUT
+        has nothing new; log(message) says what changed in INPUT. Rank 0 only, holding the lock."""
         if overwrite:
             self._remove_outputs()
         if (self.work / "manifest.json").is_file():
@@ -92,25 +129,53 @@ class ChunkStore:
             self._check_same(saved, f"a run into {self.output} was started")
             for stale in self.work.glob("*.tmp-*"):  # left by a killed run
                 stale.unlink()
-            return self.read_inputs(), "resumed"
+            inputs = self.read_inputs()
+            written = self.written_inputs(base=True) if self._base(self._done_file).is_file() else []
+            added, _ = _changes(written + inputs, list_inputs())
+            if added:
+                log(f"vit-triton embed: {len(added)} file(s) new in INPUT since this run started are not part of "
+                    f"it: run the command again when it is done to add them")
+            return inputs, "resumed"
         if self._done_file.is_file() or self.output.is_file():
             meta = self.final_metadata()
             if meta is None:
                 raise UsageError(f"{self.output} exists and was not written by vit-triton embed: choose another "
                                  f"--output or pass --overwrite")
             self._check_same(meta["settings"], f"{self.output} was written")
-            return None, "complete"
+            added, removed = _changes(self.written_inputs(), list_inputs())
+            if removed:
+                log(f"vit-triton embed: warning: {len(removed)} input(s) of {self.output} are no longer in INPUT "
+                    f"(the first: {removed[0]}): they stay in it; pass --overwrite to embed INPUT as it is now")
+            if not added:
+                return None, "complete"
+            log(f"vit-triton embed: {len(added)} file(s) new in INPUT since {self.output} was written: embedding "
+                f"them, to add after its {meta['done']} rows")
+            self._start(added, base=True)
+            return added, "added"
         inputs = list_inputs()
+        self._start(inputs, base=False)
+        return inputs, "new"
+
+    def _start(self, inputs: list[str], base: bool) -> None:
         shutil.rmtree(self.work, ignore_errors=True)
         self.work.mkdir(parents=True)
+        if base:
+            # The finished output as it is now, for finalize to merge (and again after a kill while merging).
+            for path in (self.output, self.tokens_file, self.paths_file, self.skipped_file):
+                if path.is_file():
+                    _snapshot(path, self._base(path))
         write_atomic(self.work / "inputs.jsonl", lambda f: f.writelines(
             (json.dumps(p) + "\n").encode() for p in inputs))
         # The manifest last: a work directory without one is from a run killed while starting.
         write_atomic(self.work / "manifest.json", lambda f: f.write(_json_bytes(
             {"settings": self.settings, "num_inputs": len(inputs)})))
-        return inputs, "new"
+
+    def _base(self, path: Path) -> Path:
+        """Where the work directory keeps the finished output's file `path` while new inputs are added to it."""
+        return self.work / f"base.{path.name}"
 
     def _check_same(self, saved: dict, what: str) -> None:
+        saved = _absolute_input(saved)  # as it is recorded now, if it was not
         diff = [f"{k}: {saved.get(k)!r} then, {v!r} now" for k, v in self.settings.items() if saved.get(k) != v]
         if diff:
             raise UsageError(f"{what} with other settings ({'; '.join(diff)}): run it with the same ones to "
@@ -151,7 +216,8 @@ class ChunkStore:
             {"rows": len(indices), "skipped": sorted(skipped)})))
 
     def finalize(self, inputs: list[str]) -> Summary:
-        """Merge the chunks into the output, write the skipped-files list, remove the work directory."""
+        """Merge the chunks (after the finished output's rows, when adding to it) into the output, write the
+        skipped-files list, remove the work directory."""
         chunks = range(self.num_chunks(len(inputs)))
         missing = [k for k in chunks if not self._marker(k).is_file()]
         if missing:
@@ -159,12 +225,16 @@ class ChunkStore:
         markers = [json.loads(self._marker(k).read_text()) for k in chunks]
         rows = sum(m["rows"] for m in markers)
         skipped = [(inputs[i], reason) for m in markers for i, reason in m["skipped"]]
+        base = self._base(self._done_file).is_file()
+        if base:
+            rows += self.final_metadata(base=True)["done"]
+            skipped = _read_tsv(self._base(self.skipped_file)) + skipped
         write_atomic(self.skipped_file, lambda f: f.write(_tsv(skipped)))
         meta = {"settings": self.settings, "done": rows, "skipped": len(skipped)}
         if self.output.suffix == ".parquet":
-            self._write_parquet(chunks, inputs, meta)
+            self._write_parquet(chunks, inputs, meta, base)
         else:
-            self._write_npy(chunks, inputs, rows, meta)
+            self._write_npy(chunks, inputs, rows, meta, base)
         shutil.rmtree(self.work)
         return Summary(self.output, rows, len(skipped), self.skipped_file)
 
@@ -173,20 +243,26 @@ class ChunkStore:
             with np.load(self._data(k)) as data:
                 yield {name: data[name] for name in data.files}
 
-    def _write_parquet(self, chunks, inputs: list[str], meta: dict) -> None:
+    def _write_parquet(self, chunks, inputs: list[str], meta: dict, base: bool) -> None:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        writer = None
-
-        def write(f) -> None:
-            nonlocal writer
+        def tables():
+            if base:
+                with pq.ParquetFile(self._base(self.output)) as old:
+                    yield from (old.read_row_group(g) for g in range(old.num_row_groups))
             for arrays in self._chunk_arrays(chunks):
                 columns = {"path": pa.array([inputs[i] for i in arrays["index"]], pa.string()),
                            "embedding": _fixed_size_lists(arrays["embedding"])}
                 if "tokens" in arrays:
                     columns["tokens"] = _fixed_size_lists(arrays["tokens"])
-                table = pa.table(columns)
+                yield pa.table(columns)
+
+        writer = None
+
+        def write(f) -> None:
+            nonlocal writer
+            for table in tables():
                 if writer is None:
                     schema = table.schema.with_metadata({_META_KEY: json.dumps(meta).encode()})
                     writer = pq.ParquetWriter(f, schema)
@@ -195,38 +271,56 @@ class ChunkStore:
 
         write_atomic(self.output, write)
 
-    def _write_npy(self, chunks, inputs: list[str], rows: int, meta: dict) -> None:
+    def _write_npy(self, chunks, inputs: list[str], rows: int, meta: dict, base: bool) -> None:
         first = next(self._chunk_arrays(chunks[:1]))
         targets = {"embedding": self.output, "tokens": self.tokens_file}
+        # The paths file says the output is complete: gone first (a finished output's, when adding to it), back last.
+        self.paths_file.unlink(missing_ok=True)
         for name in [n for n in ("embedding", "tokens") if n in first]:
             shape, dtype = first[name].shape[1:], first[name].dtype
             tmp = targets[name].with_name(targets[name].name + f".tmp-{os.getpid()}")
             out = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(rows, *shape))
+            parts = [np.load(self._base(targets[name]), mmap_mode="r")] if base else []
             row = 0
-            for arrays in self._chunk_arrays(chunks):
-                out[row:row + len(arrays[name])] = arrays[name]
-                row += len(arrays[name])
+            for part in [*parts, *(arrays[name] for arrays in self._chunk_arrays(chunks))]:
+                out[row:row + len(part)] = part
+                row += len(part)
             out.flush()
             del out
             os.replace(tmp, targets[name])
-        paths = [inputs[i] for arrays in self._chunk_arrays(chunks) for i in arrays["index"]]
-        # The paths file last: its presence says the output is complete.
+        paths = json.loads(self._base(self.paths_file).read_text())["paths"] if base else []
+        paths += [inputs[i] for arrays in self._chunk_arrays(chunks) for i in arrays["index"]]
         write_atomic(self.paths_file, lambda f: f.write(_json_bytes({**meta, "paths": paths})))
 
     # -- reading a finished output --
 
-    def final_metadata(self) -> dict | None:
-        """{"settings", "done", "skipped"} of a finished output, None if it is not one of ours."""
+    def final_metadata(self, base: bool = False) -> dict | None:
+        """{"settings", "done", "skipped"} of a finished output (of its copy in the work directory with base),
+        None if it is not one of ours."""
+        output, paths_file = (self._base(p) if base else p for p in (self.output, self.paths_file))
         try:
-            if self.output.suffix == ".parquet":
+            if output.suffix == ".parquet":
                 import pyarrow.parquet as pq
 
-                raw = (pq.read_schema(self.output).metadata or {}).get(_META_KEY)
+                raw = (pq.read_schema(output).metadata or {}).get(_META_KEY)
                 return json.loads(raw) if raw else None
-            meta = json.loads(self.paths_file.read_text())
-            return meta if "settings" in meta and self.output.is_file() else None
+            meta = json.loads(paths_file.read_text())
+            return meta if "settings" in meta and output.is_file() else None
         except (OSError, ValueError):
             return None
+
+    def written_inputs(self, base: bool = False) -> list[str]:
+        """The inputs of a finished output (of its copy in the work directory with base): the paths of its
+        rows, then those of its skipped-files list (none if that was deleted: they are tried again)."""
+        output, paths_file, skipped_file = (self._base(p) if base else p
+                                            for p in (self.output, self.paths_file, self.skipped_file))
+        if output.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            paths = pq.read_table(output, columns=["path"])["path"].to_pylist()
+        else:
+            paths = json.loads(paths_file.read_text())["paths"]
+        return paths + [path for path, _ in _read_tsv(skipped_file)]
 
     def finished_summary(self) -> Summary:
         meta = self.final_metadata()
@@ -239,6 +333,43 @@ def _tsv(rows: list[tuple[str, str]]) -> bytes:
     writer.writerow(["path", "reason"])
     writer.writerows(rows)
     return text.getvalue().encode()
+
+
+def _read_tsv(path: Path) -> list[tuple[str, str]]:
+    """The (path, reason) rows of a skipped-files list; none if there is no such file."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return []
+    return [(p, reason) for p, reason in list(csv.reader(io.StringIO(text), delimiter="\t"))[1:]]
+
+
+def _absolute_input(settings: dict) -> dict:
+    return {**settings, "input": os.path.abspath(settings["input"])}
+
+
+def _changes(old: list[str], new: list[str]) -> tuple[list[str], list[str]]:
+    """(the paths of `new` not in `old`, in new's order; those of `old` not in `new`), compared as absolute paths."""
+    old_abs, new_abs = ([os.path.abspath(p) for p in paths] for paths in (old, new))
+    had, has = set(old_abs), set(new_abs)
+    return [p for p, a in zip(new, new_abs) if a not in had], [p for p, a in zip(old, old_abs) if a not in has]
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except FileNotFoundError:
+        return False
+
+
+def _snapshot(path: Path, copy: Path) -> None:
+    """`copy` is `path` as it is now, whatever happens to `path` later: a hard link (its files are replaced,
+    never changed in place), or a copy where the file system has no hard links."""
+    try:
+        os.link(path, copy)
+    except OSError:
+        with open(path, "rb") as f:
+            write_atomic(copy, lambda out: shutil.copyfileobj(f, out))
 
 
 def _fixed_size_lists(array: np.ndarray):

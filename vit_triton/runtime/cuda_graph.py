@@ -75,6 +75,8 @@ class CUDAGraphRunner:
 
     def __call__(self, pixels: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """forward(pixels) from a graph replay: fresh tensors, not the graph's buffers."""
+        if pixels.shape[0] == 0:   # no image, no kernel: nothing to capture
+            return self.forward(pixels)
         key = self.key(pixels.shape, pixels.dtype)
         with self._lock:
             if key not in self._graphs:   # the warm-up calls validate the input like the model does
