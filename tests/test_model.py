@@ -53,7 +53,7 @@ def test_forward_with_split_residual_gemms(monkeypatch, variant, splits):
     # Whatever the shapes: proj and fc2 cut along K, their sums left to the next LayerNorm, or not
     # cut at all. With no final norm to add them (fc_norm, final_norm=False) the last fc2 is not cut.
     asked = []
-    monkeypatch.setattr(vit, "split_k", lambda *shape: asked.append(shape[:3]) or splits)
+    monkeypatch.setattr(ops, "split_k", lambda *shape: asked.append(shape[:3]) or splits)
     model = _model(torch.bfloat16, **VARIANTS[variant])
     cfg = model.config
     pixels = torch.randn(2, 3, cfg.image_size, cfg.image_size, device=DEVICE).bfloat16()
@@ -183,3 +183,21 @@ def test_cpu_without_interpreter_is_a_clear_error():
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert result.returncode != 0
     assert "ValueError: CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1" in result.stderr
+
+
+def test_the_models_activations_are_the_kernels_epilogues():
+    from vit_triton.kernels import ACTIVATIONS
+    from vit_triton.model.config import ACTIVATIONS as MLP_ACTIVATIONS
+
+    assert set(MLP_ACTIVATIONS) == set(ACTIVATIONS) - {"none"}
+
+
+def test_a_pending_split_update_is_read_only_through_a_norm(monkeypatch):
+    monkeypatch.setattr(ops, "split_k", lambda *shape: 2)
+    model = _model(torch.float32, **VARIANTS["cls-head"])
+    block, x = model.blocks[0], torch.randn(2 * model.config.num_tokens, model.config.embed_dim, device=DEVICE)
+    stream = block(ops.ResidualStream(x, batch=2))
+    with pytest.raises(RuntimeError, match="pending split-K update: read it through norm"):
+        stream.tensor()
+    normed = stream.norm(model.norm)
+    assert torch.equal(normed, model.norm(stream.tensor()))   # the stream now holds the sum

@@ -11,7 +11,10 @@ eager forward at small batch (87 launches) would feel. Under torch.compile the s
 traced as the custom op. The launchers validate their inputs when they run; the fake functions
 only compute output shapes.
 
-No op here has a backward yet (roadmap step 5: training).
+ResidualStream is the one place where a model meets the small-batch plan of its residual GEMMs (split K,
+with the sum left to the next LayerNorm); a block reads `x = x.add(proj, attn)`, `h = x.norm(norm2)`.
+
+No op here has a backward yet.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 from torch import Tensor
 
 from . import kernels
+from .kernels import split_k
 
 
 @torch.library.custom_op("vit_triton::linear", mutates_args=())
@@ -153,3 +157,48 @@ def token_mean(x: Tensor, start: int = 0) -> Tensor:
     if torch.compiler.is_compiling():
         return _token_mean(x, start)
     return kernels.token_mean(x, start)
+
+
+class ResidualStream:
+    """A transformer's residual stream, the [M, D] token matrix, with the update its last GEMM may have left
+    pending.
+
+    add(layer, h) is stream + layer(h) for a linear layer (anything with weight, bias and tf32_input): done in the
+    GEMM's epilogue, or, for a product too small to fill the GPU (kernels.split_k: ViT-B/16's fc2 and proj at
+    one or two images), left as K-slice partial sums that the next norm(layer) adds to the stream while it
+    normalizes it, in one kernel (add_layer_norm). Nothing outside this class sees the partial sums."""
+
+    def __init__(self, x: Tensor, batch: int) -> None:
+        """x: the tokens of `batch` images as one [B*T, D] matrix."""
+        self._x, self._parts, self.batch = x, None, batch
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(B, T, D)."""
+        return self.batch, self._x.shape[0] // self.batch, self._x.shape[1]
+
+    def add(self, layer, h: Tensor, *, defer: bool = True) -> ResidualStream:
+        """The stream plus layer(h); defer=False when no norm will read the stream next."""
+        x = self.tensor()
+        splits = split_k(h.shape[0], layer.weight.shape[0], h.shape[1], h.device) if defer else 1
+        if splits == 1:
+            return ResidualStream(layer(h, residual=x), self.batch)
+        out = ResidualStream(x, self.batch)
+        out._parts = linear_partials(h, layer.weight, layer.bias, splits, tf32_input=layer.tf32_input)
+        return out
+
+    def norm(self, layer) -> Tensor:
+        """layer's LayerNorm (anything with weight, bias, eps and tf32_output) of the stream, after adding a
+        pending update to the stream."""
+        if self._parts is None:
+            return layer(self._x)
+        self._x, y = add_layer_norm(self._x, self._parts, layer.weight, layer.bias, layer.eps,
+                                    tf32_output=layer.tf32_output)
+        self._parts = None
+        return y
+
+    def tensor(self) -> Tensor:
+        """The stream as a tensor; there is no pending update (add with defer=False before)."""
+        if self._parts is not None:
+            raise RuntimeError("the stream has a pending split-K update: read it through norm()")
+        return self._x

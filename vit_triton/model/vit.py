@@ -10,8 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..kernels import split_k
-from ..ops import add_layer_norm, fused_attention, layer_norm, linear, linear_partials, patch_embed, token_mean
+from ..ops import ResidualStream, fused_attention, layer_norm, linear, patch_embed, token_mean
 from .config import ViTConfig
 
 
@@ -28,13 +27,6 @@ class LayerNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return layer_norm(x, self.weight, self.bias, self.eps, tf32_output=self.tf32_output)
-
-    def add_and_norm(self, x: torch.Tensor, parts: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x', LayerNorm(x')) for x' = x + parts.sum(0): the residual update a split GEMM left to this
-        norm (Linear.add_to), one kernel; x' = x when parts is None."""
-        if parts is None:
-            return x, self(x)
-        return add_layer_norm(x, parts, self.weight, self.bias, self.eps, tf32_output=self.tf32_output)
 
 
 class Linear(nn.Module):
@@ -54,16 +46,6 @@ class Linear(nn.Module):
         return linear(x, self.weight, self.bias, activation=self.activation, residual=residual, scale=scale,
                       tf32_input=self.tf32_input, tf32_output=self.tf32_output)
 
-    def add_to(self, x: torch.Tensor, residual: torch.Tensor,
-               defer: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """residual + self(x) as (stream, parts): parts None and the sum done in the GEMM's epilogue, or,
-        for a product too small to fill the GPU (kernels.split_k) when defer, the residual unchanged
-        and the product as K-slice partial sums for the next LayerNorm to add (LayerNorm.add_and_norm)."""
-        splits = split_k(x.shape[0], self.weight.shape[0], x.shape[1], x.device) if defer else 1
-        if splits == 1:
-            return self(x, residual=residual), None
-        return residual, linear_partials(x, self.weight, self.bias, splits, tf32_input=self.tf32_input)
-
 
 class PatchEmbed(nn.Module):
     def __init__(self, cfg: ViTConfig, **factory) -> None:
@@ -75,10 +57,10 @@ class PatchEmbed(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block on the residual stream, the [B*T, D] token matrix, updated by the
-    residual epilogues of proj and fc2 or, where those GEMMs are split along K, by the next norm.
-    The norms, qkv, attention and fc1 write what only the next matmul reads: with float32 matmuls on
-    tf32 they store it rounded to tf32, so that matmul's K loop does not round it."""
+    """Pre-norm transformer block: x + attention(norm1(x)), then + mlp(norm2(x)), on the residual stream
+    (ops.ResidualStream, which may leave a small GEMM's sum to the next norm). The norms, qkv, attention and fc1
+    write what only the next matmul reads: with float32 matmuls on tf32 they store it rounded to tf32, so that
+    matmul's K loop does not round it. defer_fc2=False: fc2 updates the stream itself (no norm reads it next)."""
 
     def __init__(self, cfg: ViTConfig, **factory) -> None:
         super().__init__()
@@ -90,18 +72,15 @@ class Block(nn.Module):
         self.norm2 = LayerNorm(d, cfg.norm_eps, tf32_output=True, **factory)
         self.fc1 = Linear(d, cfg.mlp_dim, activation=cfg.act, tf32_input=True, tf32_output=True, **factory)
         self.fc2 = Linear(cfg.mlp_dim, d, tf32_input=True, **factory)
+        self.defer_fc2 = True
 
-    def forward(self, x: torch.Tensor, parts: torch.Tensor | None, batch: int,
-                defer: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(x, parts) -> (x, parts): the stream is x + parts.sum(0) (parts: fc2's partial sums of the block
-        before, or None). defer=False: the stream comes back whole (parts None)."""
-        tokens, d = x.shape[0] // batch, x.shape[1]
-        x, h = self.norm1.add_and_norm(x, parts)
+    def forward(self, x: ResidualStream) -> ResidualStream:
+        batch, tokens, d = x.shape
         # The QKV GEMM's [B*T, 3D] output is read in place as q, k, v [B, T, H, Dh] views.
-        qkv = self.qkv(h).view(batch, tokens, 3, self.num_heads, d // self.num_heads)
+        qkv = self.qkv(x.norm(self.norm1)).view(batch, tokens, 3, self.num_heads, d // self.num_heads)
         attn = fused_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], tf32_input=True, tf32_output=True)
-        x, h = self.norm2.add_and_norm(*self.proj.add_to(attn.view(batch * tokens, d), x))
-        return self.fc2.add_to(self.fc1(h), x, defer)
+        x = x.add(self.proj, attn.view(batch * tokens, d))
+        return x.add(self.fc2, self.fc1(x.norm(self.norm2)), defer=self.defer_fc2)
 
 
 class ViT(nn.Module):
@@ -126,6 +105,8 @@ class ViT(nn.Module):
         self.fc_norm = LayerNorm(d, cfg.norm_eps, **factory) if cfg.fc_norm else None
         self.head = Linear(d, cfg.num_classes, **factory) if cfg.num_classes else None
         self.head_dist = Linear(d, cfg.num_classes, **factory) if cfg.head_dist else None
+        if cfg.depth:   # the final norm adds the last fc2's sum, if there is one
+            self.blocks[-1].defer_fc2 = self.norm is not None
 
     def _check_pixels(self, pixels: torch.Tensor) -> None:
         cfg = self.config
@@ -156,12 +137,10 @@ class ViT(nn.Module):
         x = tokens.view(batch * num_tokens, d)
         if self.norm_pre is not None:
             x = self.norm_pre(x)
-        parts = None
-        for i, block in enumerate(self.blocks):
-            # The last fc2 leaves its sum to the final norm, if there is one.
-            x, parts = block(x, parts, batch, defer=self.norm is not None or i < len(self.blocks) - 1)
-        if self.norm is not None:
-            x = self.norm.add_and_norm(x, parts)[1]
+        x = ResidualStream(x, batch)
+        for block in self.blocks:
+            x = block(x)
+        x = x.norm(self.norm) if self.norm is not None else x.tensor()
         return x.view(batch, num_tokens, d)
 
     def forward_head(self, features: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
