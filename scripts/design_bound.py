@@ -27,7 +27,7 @@ import triton.testing
 import vit_triton.model.vit as vit_module
 from vit_triton.bench.numerics import randomize_
 from vit_triton.bench.power import Board
-from vit_triton.bench.systems import COMPILE_MODES, _allow_recompiles, timm_model
+from vit_triton.bench.systems import COMPILE_MODES, allow_recompiles, timm_model
 from vit_triton.utils import batch_sizes
 from vit_triton.model import PRESETS, ViT
 from vit_triton.runtime import CUDAGraphRunner
@@ -120,7 +120,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         parser.exit(2, "design_bound needs a CUDA device\n")
     board = Board(torch.device("cuda"))
-    _allow_recompiles()
+    allow_recompiles()
     rows = []
     for batch in args.batch_sizes:
         modes = [mode for mode, only in args.modes if only in (None, batch)]

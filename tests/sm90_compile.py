@@ -23,10 +23,10 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from vit_triton.cli import torch_dtype  # noqa: E402
 from vit_triton.kernels.attention import ONE_PASS_BLOCK_M, ONE_PASS_WARPS, _attention_kernel, key_pieces  # noqa: E402
 from vit_triton.kernels.layer_norm import _layer_norm_kernel  # noqa: E402
-from vit_triton.kernels._common import PDL_EARLY, PDL_LATE  # noqa: E402
-from vit_triton.kernels._tune import Config  # noqa: E402
+from vit_triton.kernels.common import PDL_EARLY, PDL_LATE  # noqa: E402
+from vit_triton.kernels.tuning import Config  # noqa: E402
 from vit_triton.kernels.linear import (  # noqa: E402
-    ACTIVATIONS, FLOAT32, LARGE_M, THREE_HALVES_192, TINY_M, WIDE_RESIDUAL, _linear_kernel, boxes, one_tanh,
+    ACTIVATIONS, FLOAT32, LARGE_M, TINY_M, WIDE_RESIDUAL, _linear_kernel, gelu_fit_degree,
 )
 from vit_triton.kernels.patch_embed import _patch_embed_kernel  # noqa: E402
 from vit_triton.kernels.tf32 import _round_to_tf32_kernel  # noqa: E402
@@ -78,19 +78,12 @@ def compile_kernel(kernel, dtype: str, options: dict, constexprs: dict, descript
 
 def linear_case(name: str, dtype: str, config: Config, pdl: int = PDL_LATE, split_k: int = 1, **flags):
     """linear with this launch config, prefetching its weights; USE_TMA passes x, w, r and y (but a
-    residual product's y and split K's fp32 partial sums) as descriptors of its tiles, or with THREE_HALVES
-    x and w in both box heights, r and y as pointers."""
-    _, _, bk, warps, stages, _ = config
-    bm, bn, three_halves = boxes(config)
-    defaults = dict(X_TF32=False, W_TF32=False, Y_TF32=False, ONE_TANH=one_tanh(torch_dtype(dtype), flags["ACT"]))
-    constexprs = dict(defaults | flags, PDL=pdl, PREFETCH=True, SPLIT_K=split_k, THREE_HALVES=three_halves,
-                      BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8)
+    residual product's y and split K's fp32 partial sums) as descriptors of its tiles."""
+    bm, bn, bk, warps, stages, _ = config
+    defaults = dict(X_TF32=False, W_TF32=False, Y_TF32=False, GELU_FIT_DEGREE=gelu_fit_degree(torch_dtype(dtype), flags["ACT"]))
+    constexprs = dict(defaults | flags, PDL=pdl, PREFETCH=True, SPLIT_K=split_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                      GROUP_M=8)
     descriptors = dict(x=(bm, bk), w=(bn, bk), r=(bm, bn), y=(bm, bn)) if flags["USE_TMA"] else None
-    if descriptors and three_halves:   # r and y through pointers, and the half-height boxes of x and W
-        descriptors.update(x_lo=(bm // 2, bk), w_lo=(bn // 2, bk))
-        del descriptors["r"], descriptors["y"]
-    else:
-        constexprs.update(x_lo=None, w_lo=None)
     if descriptors and not flags["HAS_RESIDUAL"]:
         descriptors.pop("r", None)
     if descriptors and (split_k > 1 or flags["HAS_RESIDUAL"]):   # y through pointers
@@ -108,12 +101,9 @@ def cases():
             for tma in (False, True):
                 yield linear_case("linear-tma" if tma else "linear", dtype, config, HAS_BIAS=bias, ACT=act,
                                   HAS_RESIDUAL=res, HAS_SCALE=not bias, INPUT_PRECISION="ieee", USE_TMA=tma)
-        if dtype == "bf16":   # the residual GEMMs' wide tile at large batch, and the 192 x 192 tiles
+        if dtype == "bf16":   # the residual GEMMs' wide tile at large batch
             yield linear_case("linear-tma-wide-residual", dtype, WIDE_RESIDUAL, HAS_BIAS=True, ACT="none",
                               HAS_RESIDUAL=True, HAS_SCALE=False, INPUT_PRECISION="ieee", USE_TMA=True)
-            for tma in (False, True):
-                yield linear_case(f"linear{'-tma' * tma}-three-halves", dtype, THREE_HALVES_192, HAS_BIAS=True,
-                                  ACT="gelu", HAS_RESIDUAL=True, HAS_SCALE=False, INPUT_PRECISION="ieee", USE_TMA=tma)
         # Launches whose programs all fit on the SMs: one image's GEMMs, and its GEMMs split along K.
         for tma, split_k in itertools.product((False, True), (1, 2)) if dtype == "bf16" else ():
             yield linear_case(f"linear{'-tma' * tma}{'-split' * (split_k > 1)}-early", dtype, TINY_M[0], PDL_EARLY,

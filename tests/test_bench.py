@@ -12,8 +12,8 @@ from vit_triton.bench.power import Board
 from vit_triton.bench.numerics import tolerance
 from vit_triton.bench.systems import build_systems
 from vit_triton.cli import main
-from vit_triton.kernels._common import INTERPRET
-from vit_triton.kernels._tune import repeated
+from vit_triton.kernels.common import INTERPRET
+from vit_triton.kernels.tuning import repeated
 from vit_triton.model import PRESETS
 
 CFG = PRESETS["tiny"]

@@ -9,7 +9,7 @@ import torch
 import vit_triton
 from tests.kernels.checks import tf32_matmuls
 from tests.numerics import DEVICE
-from vit_triton.kernels._tune import capture_stream, graph_time, repeated
+from vit_triton.kernels.tuning import capture_stream, graph_time, repeated
 from vit_triton.model import PRESETS, ViT
 from vit_triton.runtime import CUDAGraphRunner
 

@@ -87,7 +87,7 @@ def test_one_pass_key_pieces(tokens, pieces):
 def test_one_pass_only_for_short_launches(monkeypatch):
     # One pass where T <= 256 and the launch is at most ONE_PASS_WAVES programs an SM (here 4 SMs and
     # 32-row blocks, on any device: 8 programs); otherwise the tuned streaming kernel runs.
-    monkeypatch.setattr(ATTENTION, "num_programs", lambda device: 4)
+    monkeypatch.setattr(ATTENTION, "sm_count", lambda device: 4)
     monkeypatch.setattr(ATTENTION, "ONE_PASS_BLOCK_M", 32)
     tuned = []
     run = ATTENTION._attention_kernel.run

@@ -17,11 +17,11 @@ from tests.kernels.checks import (
 from tests.numerics import DEVICE, assert_close
 from vit_triton.kernels import ACTIVATIONS, linear, linear_partials, split_k
 from vit_triton.kernels import tf32 as TF32
-from vit_triton.kernels._common import num_programs
-from vit_triton.kernels._tune import Config
+from vit_triton.kernels.common import sm_count
+from vit_triton.kernels.tuning import Config
 from vit_triton.kernels.linear import (
     FLOAT32, INTERPRETER, LARGE_M, MAX_SPLITS, SMALL_M, SPLIT_MAX_TILES, SPLIT_MIN_DEPTH, SPLIT_PROGRAMS, SPLIT_TILE,
-    THREE_HALVES_192, TINY_M, whole_wave_rows,
+    TINY_M, whole_wave_rows,
 )
 from vit_triton.kernels.tf32 import TF32_WEIGHT_ROWS
 
@@ -92,7 +92,7 @@ def test_activation_over_its_range(act):
 # degree 3) or 2.8e-5 (fp16, degree 5), the other two are exact forms. On a GPU the tanh is within 1e-5 of tanh
 # (relative; 9.9e-6 measured on an H100), so the result within 1e-5 |h| more. The rest is y's rounding, at most
 # half an ulp.
-ONE_TANH_FIT_ERROR = {3: 2.72e-4, 5: 2.8e-5}
+GELU_FIT_DEGREE_FIT_ERROR = {3: 2.72e-4, 5: 2.8e-5}
 TANH_ERROR = 1e-5
 SIXTEEN_BIT_DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 
@@ -110,23 +110,23 @@ def test_16bit_activation_over_its_range(act, dtype):
     out = linear(x, torch.eye(16, device=DEVICE, dtype=dtype), activation=act).double()
     ref = TORCH_ACTIVATIONS[act](x.double())
     half_ulp = torch.finfo(dtype).eps / 2   # relative
-    fit_error = ONE_TANH_FIT_ERROR[LINEAR.ONE_TANH_DEGREE[dtype]] if act == "gelu" else 0.0
+    fit_error = GELU_FIT_DEGREE_FIT_ERROR[LINEAR.GELU_FIT_DEGREES[dtype]] if act == "gelu" else 0.0
     allowed = (fit_error + TANH_ERROR * x.double().abs() / 2) * (1 + half_ulp) + half_ulp * ref.abs()
     excess = (out - ref).abs() - allowed
     assert excess.max() <= 0, f"{act} off by {excess.max():.2e} more than allowed at x = {x.flatten()[excess.argmax()]}"
 
 
 @SIXTEEN_BIT_DTYPES
-@pytest.mark.parametrize("one_tanh", [False, True], ids=["erf", "one-tanh"])
-def test_one_tanh_form_only_where_asked(dtype, one_tanh, monkeypatch):
+@pytest.mark.parametrize("gelu_fit_degree", [False, True], ids=["erf", "one-tanh"])
+def test_one_tanh_form_only_where_asked(dtype, gelu_fit_degree, monkeypatch):
     # Without the one-tanh form, GELU is the erf form's to the bit of float32 rounded once; with it, it differs
     # where the fit's error crosses a rounding boundary.
     x = torch.linspace(-6, 6, 4096, device=DEVICE).view(256, 16).to(dtype)
     erf_form = linear(x.float(), torch.eye(16, device=DEVICE), activation="gelu", allow_tf32=False).to(dtype)
-    if not one_tanh:
-        monkeypatch.setattr(LINEAR, "ONE_TANH_DEGREE", {})
+    if not gelu_fit_degree:
+        monkeypatch.setattr(LINEAR, "GELU_FIT_DEGREES", {})
     out = linear(x, torch.eye(16, device=DEVICE, dtype=dtype), activation="gelu")
-    assert torch.equal(out, erf_form) != one_tanh
+    assert torch.equal(out, erf_form) != gelu_fit_degree
 
 
 @each_dtype
@@ -232,7 +232,7 @@ def test_bad_splits(splits):
 
 
 def test_split_k_cuts_deep_products_of_few_tiles():
-    sms = num_programs(DEVICE)
+    sms = sm_count(DEVICE)
     most = SPLIT_MAX_TILES * sms            # tiles a product may have and still be cut
     deep = MAX_SPLITS * SPLIT_MIN_DEPTH     # deep enough for every slice count
     assert split_k(SPLIT_TILE, SPLIT_TILE, deep, DEVICE) == MAX_SPLITS             # one tile: the most slices
@@ -258,23 +258,8 @@ def test_every_candidate_config(dtype, strided, monkeypatch):
         check(linear(x, w, b, activation="gelu", residual=r), torch_linear("gelu"), x, w, b, r)
 
 
-@each_dtype
-@pytest.mark.parametrize("strided", [False, True], ids=["tma", "pointers"])
-def test_three_halves_tiles(dtype, strided, monkeypatch):
-    # Tiles of 1.5 times a power of two, each four products of power-of-two boxes: (32 + 16) x (32 + 16), and
-    # in 16 bits the shipped (128 + 64) x (128 + 64). M, N and K cut tiles, boxes and K steps, through descriptors
-    # or masked pointers, with every activation, a residual and a scale, and as split K's partial sums.
-    for config in (Config(48, 48, 32, 4, 1),) + ((THREE_HALVES_192,) if dtype != torch.float32 else ()):
-        monkeypatch.setattr(LINEAR, "_candidates", lambda m, element, config=config: [config])
-        x, w, b, r = inputs(100, 77, 70, dtype, strided=strided)
-        for act in ACTIVATIONS:
-            check(linear(x, w, b, activation=act, residual=r, scale=0.5), torch_linear(act, 0.5), x, w, b, r)
-        parts = linear_partials(x, w, b, 2)
-        check(parts.sum(0).to(dtype), torch_linear("none"), x, w, b, None)
-
-
 def test_whole_wave_rows_splits_a_short_last_wave_of_a_shallow_launch():
-    sms = num_programs(DEVICE)   # 4 under the interpreter, so a last wave of one tile is at most 30% full
+    sms = sm_count(DEVICE)   # 4 under the interpreter, so a last wave of one tile is at most 30% full
     config = Config(32, 64, 32, 4, 1)   # N = 64: one column of tiles, a tile a row block of 32
     assert whole_wave_rows(32 * sms + 5, 64, config, DEVICE) == 32 * sms            # one wave and 5 rows
     assert whole_wave_rows(32 * (2 * sms + 1), 64, config._replace(persistent=2), DEVICE) == 64 * sms

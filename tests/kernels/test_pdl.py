@@ -4,8 +4,8 @@ SMs, late when they do not, off without a Hopper GPU, under the interpreter or w
 import pytest
 import torch
 
-from vit_triton.kernels import _common
-from vit_triton.kernels._common import PDL_EARLY, PDL_LATE, PDL_OFF, pdl
+from vit_triton.kernels import common
+from vit_triton.kernels.common import PDL_EARLY, PDL_LATE, PDL_OFF, pdl
 
 HOPPER = torch.device("cuda", 0)
 
@@ -13,10 +13,10 @@ HOPPER = torch.device("cuda", 0)
 @pytest.fixture
 def hopper(monkeypatch):
     """A Hopper GPU of 132 SMs as far as pdl() can tell, on a machine that has none."""
-    monkeypatch.setattr(_common, "INTERPRET", False)
-    monkeypatch.setattr(_common, "gdc_wait", object())
-    monkeypatch.setattr(_common, "_pdl_supported", lambda index: True)
-    monkeypatch.setattr(_common, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(common, "INTERPRET", False)
+    monkeypatch.setattr(common, "gdc_wait", object())
+    monkeypatch.setattr(common, "_pdl_supported", lambda index: True)
+    monkeypatch.setattr(common, "_sm_count", lambda index: 132)
     monkeypatch.delenv("VIT_TRITON_PDL", raising=False)
 
 
@@ -30,7 +30,7 @@ def test_off_when_disabled_or_unsupported(hopper, monkeypatch):
     monkeypatch.setenv("VIT_TRITON_PDL", "0")
     assert pdl(HOPPER, 1) == {"PDL": PDL_OFF}
     monkeypatch.delenv("VIT_TRITON_PDL")
-    monkeypatch.setattr(_common, "_pdl_supported", lambda index: False)   # before Hopper
+    monkeypatch.setattr(common, "_pdl_supported", lambda index: False)   # before Hopper
     assert pdl(HOPPER, 1) == {"PDL": PDL_OFF}
 
 

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from vit_triton.kernels._tune import Config, Tuner
+from vit_triton.kernels.tuning import Config, Tuner
 
 CONFIGS = [Config(64, 64, 64, 4, 3), Config(128, 128, 64, 8, 4), Config(64, 32, 128, 4, 4, 0)]
 

@@ -1,1 +1,2 @@
-"""Measurement: correctness checks against PyTorch, and (later) timing against the peers."""
+"""Measurement: the tolerance rule and `verify`, FLOP and byte counts, timing beside the peers, the kernel roofline,
+board energy and plots."""

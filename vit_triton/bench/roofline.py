@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from ..model.config import ViTConfig
-from ..kernels._tune import graph_time, repeated
+from ..kernels.tuning import graph_time, repeated
 from .harness import Timer, ceiling_runs, do_bench_median, environment, measure_ceilings
 from .power import Board
 from .workloads import forward_workloads

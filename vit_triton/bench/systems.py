@@ -97,7 +97,7 @@ def build_systems(cfg: ViTConfig, dtype: torch.dtype, device: torch.device,
             systems.append(System("timm:exact-fp32", _exact_fp32(timm_ref)) if dtype == torch.float32 else
                            System("timm:exact-fp32", None, "float32 runs only"))
             if any(n.startswith("timm+compile") for n in names):
-                _allow_recompiles()
+                allow_recompiles()
             for mode in COMPILE_MODES:
                 if f"timm+compile:{mode}" in names:
                     systems.append(System(f"timm+compile:{mode}", torch.compile(copy.deepcopy(timm_ref), mode=mode,
@@ -127,7 +127,7 @@ def _exact_fp32(model: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor
     return run
 
 
-def _allow_recompiles(limit: int = 64) -> None:
+def allow_recompiles(limit: int = 64) -> None:
     """Every compile mode at every batch size compiles timm's one forward anew, and dynamo falls back
     to eager once a code object has been compiled recompile_limit (8) times: it would time eager
     timm under a compile label. Raise the limit, and make hitting it an error rather than a fallback."""

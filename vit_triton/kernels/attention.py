@@ -29,9 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (
+from .common import (
     INTERPRET, LOG2E, cast, check_device, check_dtype, check_float, check_shape, exp2, input_precision, mma,
-    num_programs, pdl, start_next_kernel, to_tf32, tune, wait_for_previous_kernel,
+    sm_count, pdl, start_next_kernel, to_tf32, tune, wait_for_previous_kernel,
 )
 
 TAIL_N = tl.constexpr(16)  # the smallest key block a 16-bit tensor-core product takes (k = 16)
@@ -216,7 +216,7 @@ def fused_attention(
     # busy; 256 images: 128-row tiles, at 0.75x the time of 64-row ones), so the tuner keys on B*H's
     # power of two as well as on the sequence. A short launch takes the one-pass path untuned.
     programs = B * H * triton.cdiv(T, ONE_PASS_BLOCK_M)
-    if T <= ONE_PASS_MAX_T and programs <= ONE_PASS_WAVES * num_programs(q.device):
+    if T <= ONE_PASS_MAX_T and programs <= ONE_PASS_WAVES * sm_count(q.device):
         kernel = _attention_kernel.fn
         launch = dict(zip(("KEYS0", "KEYS1", "KEYS2"), key_pieces(T)), BLOCK_M=ONE_PASS_BLOCK_M, BLOCK_N=TAIL_N,
                       num_warps=ONE_PASS_WARPS, num_stages=1)

@@ -216,8 +216,8 @@ def _sm_count(index: int | None) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def num_programs(device: torch.device) -> int:
-    """How many programs a persistent kernel launches: one per SM (4 under the interpreter)."""
+def sm_count(device: torch.device) -> int:
+    """The device's SM count, 4 under the interpreter: a persistent kernel launches a program on each."""
     return 4 if device.type == "cpu" else _sm_count(device.index)
 
 

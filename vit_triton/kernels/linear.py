@@ -22,12 +22,10 @@ steps. The descriptors are built on the host and
 passed as kernel parameters: built in the kernel, each program spent 2-3 us on them before its
 first load, a third of a GEMM's time at one image. A product whose last wave
 of tiles would leave most SMs idle runs as two launches: the rows of its whole waves, then the rest
-with a config tuned for them (whole_wave_rows). Tiles of 1.5 times a power of two (THREE_HALVES: 192 x 192,
-the tile cuBLAS runs, whose whole waves 32 ViT-B/16 images fill on 132 SMs) are four products of
-power-of-two boxes, x's rows in 128 + 64 by W's in 128 + 64; their residual and y go through pointers.
+with a config tuned for them (whole_wave_rows).
 
 The launch config (tile, warps, stages, persistence) is chosen per shape by timing a short list of
-candidates (_tune.py), since the descriptors depend on it; each candidate is timed as the launches it
+candidates (tuning.py), since the descriptors depend on it; each candidate is timed as the launches it
 makes, split into two where whole_wave_rows splits it.
 
 float32 on tf32 tensor cores: operands are rounded to nearest tf32 as cuBLAS does, but not in the K
@@ -55,12 +53,12 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._common import (
+from .common import (
     INTERPRET, LOG2E, cast, check_device, check_dtype, check_float, check_shape, exp2, input_precision, mma,
-    num_programs, pdl, PDL_OFF, prefetch_l2, reciprocal, start_next_kernel, tanh, tma_ready, to_tf32,
+    sm_count, pdl, PDL_OFF, prefetch_l2, reciprocal, start_next_kernel, tanh, tma_ready, to_tf32,
     wait_for_previous_kernel,
 )
-from ._tune import Config, Tuner
+from .tuning import Config, Tuner
 from .tf32 import tf32_weight
 
 ACTIVATIONS = ("none", "gelu", "gelu_tanh", "quick_gelu")
@@ -72,7 +70,7 @@ _QUICK_GELU_K = 1.702                   # QuickGELU: x sigmoid(1.702 x)
 _GELU_TANH_A = tl.constexpr(-2.0 * _SQRT_2_OVER_PI * LOG2E)  # exp(-2u) = 2^(x (A + B x^2))
 _GELU_TANH_B = tl.constexpr(-2.0 * _SQRT_2_OVER_PI * 0.044715 * LOG2E)
 _QUICK_GELU_A = tl.constexpr(-_QUICK_GELU_K * LOG2E)
-# ONE_TANH's forms: u(x) in h + h tanh(u(x)), h = x / 2. Exact GELU's u is an odd polynomial whose tanh is closest
+# The one-tanh forms: u(x) in h + h tanh(u(x)), h = x / 2. Exact GELU's u is an odd polynomial whose tanh is closest
 # to erf(x / sqrt(2)) (minimax fits): of degree 3 within 2.72e-4 of x Phi(x), which
 # bf16's rounding hides (half an ulp: 2e-3 at 1) and fp16's does not (2.4e-4); of degree 5 within 2.8e-5, its x^2
 # held at 64 (|x| >= 8, where tanh(u) rounds to 1 either way) since past |x| = 10 the x^5 term would turn u down.
@@ -82,25 +80,25 @@ _GELU_FIT5_5 = tl.constexpr(-0.0003523119647840455)
 _GELU_TANH_U, _GELU_TANH_U3 = tl.constexpr(_SQRT_2_OVER_PI), tl.constexpr(_SQRT_2_OVER_PI * 0.044715)
 _QUICK_GELU_U = tl.constexpr(0.5 * _QUICK_GELU_K)   # sigmoid(1.702 x) = (1 + tanh(0.851 x)) / 2
 # The one-tanh forms by output dtype, as the degree of exact GELU's u; fp32 and tf32 keep the forms below them.
-ONE_TANH_DEGREE = {torch.bfloat16: 3, torch.float16: 5}
+GELU_FIT_DEGREES = {torch.bfloat16: 3, torch.float16: 5}
 
 
-def one_tanh(dtype: torch.dtype, activation: str) -> int:
-    """The kernel's ONE_TANH for this output dtype and activation: 0 (the exp2 and reciprocal forms, and no
+def gelu_fit_degree(dtype: torch.dtype, activation: str) -> int:
+    """The kernel's GELU_FIT_DEGREE for this output dtype and activation: 0 (the exp2 and reciprocal forms, and no
     activation) or the degree of exact GELU's u in the one-tanh forms."""
-    return ONE_TANH_DEGREE.get(dtype, 0) if activation != "none" else 0
+    return GELU_FIT_DEGREES.get(dtype, 0) if activation != "none" else 0
 
 
 @triton.jit
-def _activation(x, ACT: tl.constexpr, ONE_TANH: tl.constexpr):
+def _activation(x, ACT: tl.constexpr, GELU_FIT_DEGREE: tl.constexpr):
     """The activation on fp32 x, from single SFU instructions and FMAs: evaluated once an element while no
     MMA runs, so each instruction shows at K = 768.
 
-    ONE_TANH > 0 (y is 16-bit; one_tanh): h + h tanh(u(x)), one SFU instruction an element where the forms below
-    take two; ONE_TANH is the degree of exact GELU's u. fc1 + GELU's relative Frobenius error on an H100: bf16
+    GELU_FIT_DEGREE > 0 (y is 16-bit; gelu_fit_degree): h + h tanh(u(x)), one SFU instruction an element where
+    the forms below take two; exact GELU's u is a fit of that degree. fc1 + GELU's relative Frobenius error on an H100: bf16
     (degree 3) 0.64-0.67x PyTorch's, fp16 (degree 5) 0.65-0.68x, against 0.62-0.67x below."""
-    if ONE_TANH and ACT != "none":
-        if ACT == "gelu" and ONE_TANH == 5:
+    if GELU_FIT_DEGREE and ACT != "none":
+        if ACT == "gelu" and GELU_FIT_DEGREE == 5:
             s = tl.minimum(x * x, 64.0)
             u = x * (_GELU_FIT5_1 + s * (_GELU_FIT5_3 + s * _GELU_FIT5_5))
         elif ACT == "gelu":
@@ -134,14 +132,9 @@ WIDE_RESIDUAL = Config(128, 256, 32, 8, 4)
 # Candidates by dtype and row count, from sweeps on an H100 and an H200 at ViT-S/B/L shapes
 # (scripts/sweep_kernels.py). Each list is short: every candidate of a new
 # shape is compiled and timed once.
-# 192 x 192 tiles (THREE_HALVES, one a program): 32 ViT-B/16 images fill whole waves of them on 132 SMs; fc2 there
-# 1.14x faster than its pair of launches of 128-row tiles, the forward 1.02-1.036x; ViT-S/16 at 64 images 1.07x.
-# Picked nowhere else measured (ViT-B/16 at 16-256 images, ViT-L).
-THREE_HALVES_192 = Config(192, 192, 64, 8, 4, 0)
 LARGE_M = [
     Config(128, 256, 64, 8, 3), Config(128, 128, 64, 8, 5), Config(128, 128, 64, 4, 4),
     Config(128, 128, 128, 8, 3), Config(256, 128, 64, 8, 3), Config(128, 128, 64, 8, 4), WIDE_RESIDUAL,
-    THREE_HALVES_192,
 ]
 SMALL_M = [   # a few thousand rows (ViT-B/16, 8 images): 128-row tiles, about one wave
     Config(128, 256, 64, 8, 3), Config(128, 128, 64, 8, 4), Config(128, 128, 64, 4, 4),
@@ -207,7 +200,7 @@ def _wt_tile(w, n0, k, N, K, stride_wn, COLS: tl.constexpr, BLOCK_K: tl.constexp
 
 @triton.jit
 def _epilogue(acc, m0, n0, split, M, N, b_ptr, r, y, stride_rm, stride_ym, scale,
-              HAS_BIAS: tl.constexpr, ACT: tl.constexpr, ONE_TANH: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+              HAS_BIAS: tl.constexpr, ACT: tl.constexpr, GELU_FIT_DEGREE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
               HAS_SCALE: tl.constexpr, Y_TF32: tl.constexpr, R_TMA: tl.constexpr, Y_TMA: tl.constexpr):
     """Bias, activation, residual, scale on the fp32 tile acc of y at (m0, n0), then its one store: through
     TMA descriptors where R_TMA, Y_TMA (clipped to [M, N]), else pointers; slice `split` of split K's partial
@@ -219,7 +212,7 @@ def _epilogue(acc, m0, n0, split, M, N, b_ptr, r, y, stride_rm, stride_ym, scale
         # broadcasts a scalar comparison as int32, which a mask refuses (and 3.6's cannot branch on one).
         first = tl.where(split == 0, mask_n, False)
         acc += tl.load(b_ptr + offs_n, mask=first, other=0.0).to(tl.float32)[None, :]
-    acc = _activation(acc, ACT, ONE_TANH)
+    acc = _activation(acc, ACT, GELU_FIT_DEGREE)
     mask = (offs_m < M)[:, None] & mask_n[None, :]
     rows = offs_m[:, None].to(tl.int64)
     if HAS_RESIDUAL:
@@ -239,18 +232,16 @@ def _epilogue(acc, m0, n0, split, M, N, b_ptr, r, y, stride_rm, stride_ym, scale
 
 @triton.jit
 def _linear_kernel(
-    x, w, b_ptr, r, y,   # x, w, r, y: TMA descriptors if USE_TMA (r, y: see R_TMA, Y_TMA below), else pointers
-    x_lo, w_lo,          # THREE_HALVES with USE_TMA: descriptors of x's and W's half-height boxes, else None
+    x, w, b_ptr, r, y,   # x, w, r, y: TMA descriptors if USE_TMA (y: see Y_TMA below), else pointers
     w_ptr,               # W's first element, for the prefetch
     M, N, K,
     stride_xm, stride_wn, stride_rm, stride_ym, scale,
-    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, ONE_TANH: tl.constexpr,   # _activation's
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, GELU_FIT_DEGREE: tl.constexpr,   # _activation's
     HAS_RESIDUAL: tl.constexpr, HAS_SCALE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, X_TF32: tl.constexpr, W_TF32: tl.constexpr,   # x, W hold tf32 values already
     Y_TF32: tl.constexpr,   # y is stored rounded to tf32
     USE_TMA: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
     SPLIT_K: tl.constexpr,   # > 1: y is a pointer to fp32 partial sums [SPLIT_K, M, N], no epilogue but the bias
-    THREE_HALVES: tl.constexpr,   # tiles of 1.5 BLOCK_M x 1.5 BLOCK_N: four products of power-of-two boxes
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     if PREFETCH:
@@ -263,62 +254,36 @@ def _linear_kernel(
             offs = i + tl.arange(0, PREFETCH_LINES)
             prefetch_l2(w_ptr + offs.to(tl.int64) * per_line, offs < lines)
     wait_for_previous_kernel(PDL)
-    # A tile's rows and columns; with THREE_HALVES each in a box of BLOCK and one of BLOCK / 2.
-    TILE_M: tl.constexpr = BLOCK_M + BLOCK_M // 2 if THREE_HALVES else BLOCK_M
-    TILE_N: tl.constexpr = BLOCK_N + BLOCK_N // 2 if THREE_HALVES else BLOCK_N
-    # r and y of a THREE_HALVES tile go through pointers (a descriptor has one box shape); so do a residual
-    # product's y and split K's partial sums (module docstring).
-    R_TMA: tl.constexpr = USE_TMA and not THREE_HALVES
-    Y_TMA: tl.constexpr = USE_TMA and SPLIT_K == 1 and not HAS_RESIDUAL and not THREE_HALVES
-    num_m = tl.cdiv(M, TILE_M)
-    num_n = tl.cdiv(N, TILE_N)
+    # A residual product's y and split K's partial sums go through pointers (module docstring).
+    Y_TMA: tl.constexpr = USE_TMA and SPLIT_K == 1 and not HAS_RESIDUAL
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_m * num_n
     # Every slice runs the same number of K steps (the last one's past K read zeros): a loop-invariant
     # trip count keeps the two loops one flat pipeline.
     slice_steps = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
     # Each program walks (tile, slice) items pid, pid + grid, ...; flattening the two loops lets the
-    # pipeliner issue the next tile's first loads while this tile's epilogue runs. Not the four accumulators
-    # of THREE_HALVES: flattened, they leave no registers and ptxas serialises the wgmmas.
-    FLATTEN: tl.constexpr = not THREE_HALVES
-    for item in tl.range(tl.program_id(0), num_tiles * SPLIT_K, tl.num_programs(0), flatten=FLATTEN):
+    # pipeliner issue the next tile's first loads while this tile's epilogue runs.
+    for item in tl.range(tl.program_id(0), num_tiles * SPLIT_K, tl.num_programs(0), flatten=True):
         tile = item % num_tiles
         if SPLIT_K > 1:
             split = item // num_tiles
         else:
             split = 0
         pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
-        m0 = pid_m * TILE_M
-        n0 = pid_n * TILE_N
+        m0 = pid_m * BLOCK_M
+        n0 = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if THREE_HALVES:   # acc, right (acc_n), below (acc_m), corner (acc_mn)
-            acc_n = tl.zeros((BLOCK_M, BLOCK_N // 2), dtype=tl.float32)
-            acc_m = tl.zeros((BLOCK_M // 2, BLOCK_N), dtype=tl.float32)
-            acc_mn = tl.zeros((BLOCK_M // 2, BLOCK_N // 2), dtype=tl.float32)
         for step in range(0, slice_steps):
             k = split * slice_steps + step
             a = _x_tile(x, m0, k, M, K, stride_xm, BLOCK_M, BLOCK_K, USE_TMA)
             bt = _wt_tile(w, n0, k, N, K, stride_wn, BLOCK_N, BLOCK_K, USE_TMA)
             acc = mma(a, bt, acc, INPUT_PRECISION, X_TF32, W_TF32)
-            if THREE_HALVES:
-                a_lo = _x_tile(x_lo if USE_TMA else x, m0 + BLOCK_M, k, M, K, stride_xm, BLOCK_M // 2, BLOCK_K,
-                               USE_TMA)
-                bt_lo = _wt_tile(w_lo if USE_TMA else w, n0 + BLOCK_N, k, N, K, stride_wn, BLOCK_N // 2, BLOCK_K,
-                                 USE_TMA)
-                acc_n = mma(a, bt_lo, acc_n, INPUT_PRECISION, X_TF32, W_TF32)
-                acc_m = mma(a_lo, bt, acc_m, INPUT_PRECISION, X_TF32, W_TF32)
-                acc_mn = mma(a_lo, bt_lo, acc_mn, INPUT_PRECISION, X_TF32, W_TF32)
 
         if item + tl.num_programs(0) >= num_tiles * SPLIT_K:  # this program's last tile
             start_next_kernel(PDL)
         _epilogue(acc, m0, n0, split, M, N, b_ptr, r, y, stride_rm, stride_ym, scale,
-                  HAS_BIAS, ACT, ONE_TANH, HAS_RESIDUAL, HAS_SCALE, Y_TF32, R_TMA, Y_TMA)
-        if THREE_HALVES:
-            _epilogue(acc_n, m0, n0 + BLOCK_N, split, M, N, b_ptr, r, y, stride_rm, stride_ym, scale,
-                      HAS_BIAS, ACT, ONE_TANH, HAS_RESIDUAL, HAS_SCALE, Y_TF32, R_TMA, Y_TMA)
-            _epilogue(acc_m, m0 + BLOCK_M, n0, split, M, N, b_ptr, r, y, stride_rm, stride_ym, scale,
-                      HAS_BIAS, ACT, ONE_TANH, HAS_RESIDUAL, HAS_SCALE, Y_TF32, R_TMA, Y_TMA)
-            _epilogue(acc_mn, m0 + BLOCK_M, n0 + BLOCK_N, split, M, N, b_ptr, r, y, stride_rm, stride_ym, scale,
-                      HAS_BIAS, ACT, ONE_TANH, HAS_RESIDUAL, HAS_SCALE, Y_TF32, R_TMA, Y_TMA)
+                  HAS_BIAS, ACT, GELU_FIT_DEGREE, HAS_RESIDUAL, HAS_SCALE, Y_TF32, USE_TMA, Y_TMA)
 
 
 # The tuner's disk cache is keyed by this file: a change to the kernel or the candidates starts afresh.
@@ -342,7 +307,7 @@ def split_k(M: int, N: int, K: int, device: torch.device) -> int:
     largest count up to MAX_SPLITS with at most SPLIT_PROGRAMS programs an SM and slices at least
     SPLIT_MIN_DEPTH deep; else 1 (no split). ViT-B/16 at one image: fc2 in 4 slices, proj in 2."""
     tiles = triton.cdiv(M, SPLIT_TILE) * triton.cdiv(N, SPLIT_TILE)
-    sms = num_programs(device)
+    sms = sm_count(device)
     if tiles > SPLIT_MAX_TILES * sms:
         return 1
     return next((s for s in range(MAX_SPLITS, 1, -1)
@@ -365,7 +330,7 @@ def linear(
     """y = scale * (activation(x @ weight.T + bias) + residual) for 2-D x [M, K] and weight [N, K].
 
     activation: "none", "gelu" (exact erf), "gelu_tanh" or "quick_gelu" (x * sigmoid(1.702 x)); a bf16 or fp16 y
-    gets them from one tanh an element, to within its rounding (_activation, one_tanh).
+    gets them from one tanh an element, to within its rounding (_activation, gelu_fit_degree).
     allow_tf32: for float32 inputs; None follows torch.get_float32_matmul_precision().
     tf32_input, tf32_output: see tf32.py; they act only where the matmuls run on tf32.
     out must not alias x or residual.
@@ -383,7 +348,7 @@ def linear(
     if out is None:
         out = torch.empty((M, N), device=x.device, dtype=x.dtype)
     weight, precision = _precision(x, weight, allow_tf32, tf32_input)
-    flags = dict(HAS_BIAS=bias is not None, ACT=activation, ONE_TANH=one_tanh(x.dtype, activation),
+    flags = dict(HAS_BIAS=bias is not None, ACT=activation, GELU_FIT_DEGREE=gelu_fit_degree(x.dtype, activation),
                  HAS_RESIDUAL=residual is not None,
                  HAS_SCALE=scale != 1.0, **precision, Y_TF32=precision["INPUT_PRECISION"] == "tf32" and tf32_output,
                  USE_TMA=tma_ready(x, weight, residual, out), SPLIT_K=1)
@@ -409,7 +374,7 @@ def linear_partials(
     M, N = x.shape[0], weight.shape[0]
     parts = torch.empty((splits * M, N), device=x.device, dtype=torch.float32)   # the slices one above the other
     weight, precision = _precision(x, weight, allow_tf32, tf32_input)
-    flags = dict(HAS_BIAS=bias is not None, ACT="none", ONE_TANH=0, HAS_RESIDUAL=False, HAS_SCALE=False,
+    flags = dict(HAS_BIAS=bias is not None, ACT="none", GELU_FIT_DEGREE=0, HAS_RESIDUAL=False, HAS_SCALE=False,
                  **precision, Y_TF32=False, USE_TMA=tma_ready(x, weight, parts), SPLIT_K=splits)
     _tuned_launch(x, weight, bias, None, parts, 1.0, flags)
     return parts.view(splits, M, N)
@@ -474,7 +439,7 @@ def whole_wave_rows(M: int, N: int, config: Config, device: torch.device) -> int
     WAVE_SPLIT_IDLE of the launch's program slots empty; else M. ViT-B/16's proj and fc2 at 16 images:
     150 tiles of 128 x 128 on 132 SMs, so 2816 rows in one wave, then 336 rows in smaller tiles
     instead of 18 tiles on 18 SMs."""
-    slots = num_programs(device) * max(config.persistent, 1)
+    slots = sm_count(device) * max(config.persistent, 1)
     num_n = triton.cdiv(N, config.block_n)
     waves, last = divmod(triton.cdiv(M, config.block_m) * num_n, slots)
     rows = waves * slots // num_n * config.block_m
@@ -482,40 +447,27 @@ def whole_wave_rows(M: int, N: int, config: Config, device: torch.device) -> int
     return rows if 0 < last <= WAVE_SPLIT_FILL * slots and idle >= WAVE_SPLIT_IDLE and 0 < rows < M else M
 
 
-def boxes(config: Config) -> tuple[int, int, bool]:
-    """The kernel's (BLOCK_M, BLOCK_N, THREE_HALVES) for a config: its tile, or, for a tile whose sides are not
-    powers of two (1.5 times one), the larger box of each side."""
-    three_halves = config.block_m & (config.block_m - 1) != 0
-    if three_halves:
-        return config.block_m * 2 // 3, config.block_n * 2 // 3, True
-    return config.block_m, config.block_n, False
-
-
 def launch_linear(config: Config, x, weight, bias, residual, out, scale: float, flags: dict) -> None:
     """One launch of the kernel with this config (checked inputs, flags as linear or linear_partials
     make them)."""
     M, K = x.shape
     N = weight.shape[0]
-    tile_m, tile_n, bk, warps, stages, persistent = config
-    bm, bn, three_halves = boxes(config)
+    bm, bn, bk, warps, stages, persistent = config
     splits = flags["SPLIT_K"]
-    x_arg, w_arg, r_arg, y_arg, x_lo, w_lo = x, weight, residual, out, None, None   # pointers, or:
+    x_arg, w_arg, r_arg, y_arg = x, weight, residual, out   # pointers, or:
     if flags["USE_TMA"]:
         x_arg = TensorDescriptor.from_tensor(x, [bm, bk])
         w_arg = TensorDescriptor.from_tensor(weight, [bn, bk])
-        if three_halves:   # r and y stay pointers
-            x_lo = TensorDescriptor.from_tensor(x, [bm // 2, bk])
-            w_lo = TensorDescriptor.from_tensor(weight, [bn // 2, bk])
-        elif residual is not None:   # y stays a pointer
+        if residual is not None:   # y stays a pointer
             r_arg = TensorDescriptor.from_tensor(residual, [bm, bn])
         elif splits == 1:
             y_arg = TensorDescriptor.from_tensor(out, [bm, bn])
-    items = triton.cdiv(M, tile_m) * triton.cdiv(N, tile_n) * splits
+    items = triton.cdiv(M, bm) * triton.cdiv(N, bn) * splits
     launch_pdl = pdl(x.device, items)
-    grid = (min(items, num_programs(x.device) * persistent) if persistent else items,)
+    grid = (min(items, sm_count(x.device) * persistent) if persistent else items,)
     _linear_kernel[grid](
-        x_arg, w_arg, bias, r_arg, y_arg, x_lo, w_lo, weight,
+        x_arg, w_arg, bias, r_arg, y_arg, weight,
         M, N, K, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), scale,
-        **flags, **launch_pdl, PREFETCH=launch_pdl["PDL"] != PDL_OFF, THREE_HALVES=three_halves,
+        **flags, **launch_pdl, PREFETCH=launch_pdl["PDL"] != PDL_OFF,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages,
     )

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (
+from .common import (
     cast, check_device, check_dtype, check_float, check_shape, input_precision, mma, pdl, start_next_kernel, tune,
     wait_for_previous_kernel,
 )

@@ -1,7 +1,7 @@
 """tf32 operands rounded once, outside the GEMM loops that read them.
 
 A matmul on tf32 tensor cores rounds each fp32 operand to 10 mantissa bits (to nearest, as cuBLAS
-does: _common.to_tf32). Rounded inside a GEMM's K loop, the weight tile round-trips through
+does: common.to_tf32). Rounded inside a GEMM's K loop, the weight tile round-trips through
 registers to shared memory (wgmma reads B from there only) and the x tile is fed from registers,
 every K step of every program: ViT-B/16's GEMMs ran 1.3-2.1x slower for it on an H100. So the operands come rounded:
 
@@ -22,8 +22,8 @@ Both flags act only where the float32 matmuls run on tf32 (allow_tf32, or
 torch.get_float32_matmul_precision()), so a producer and its consumer agree. The tensor cores get
 the very values they would have rounded themselves: results are bitwise the same either way.
 
-round_to_tf32: any float32 tensor, read as contiguous; the copy is contiguous. No FLOPs; 2 * numel
-elements moved (8 bytes each), so memory-bound.
+round_to_tf32: any float32 tensor, read as contiguous; the copy is contiguous. No FLOPs; numel elements
+read and numel written, 4 bytes each (8 bytes an element in all), so memory-bound.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, check_dtype, pdl, start_next_kernel, to_tf32, wait_for_previous_kernel
+from .common import INTERPRET, check_dtype, pdl, start_next_kernel, to_tf32, wait_for_previous_kernel
 
 BLOCK = 4096   # elements a program: 16 KB read, 16 KB written
 # Without a kept copy, a GEMM of at least this many rows reads its weight rounded for the call

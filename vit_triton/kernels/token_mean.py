@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cast, check_device, check_float, pdl, start_next_kernel, wait_for_previous_kernel
+from .common import cast, check_device, check_float, pdl, start_next_kernel, wait_for_previous_kernel
 
 
 @triton.jit

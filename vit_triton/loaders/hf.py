@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..model import ViT, ViTConfig
-from ._common import Mapped, build
+from .common import Mapped, build
 
 _ACTIVATIONS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
                 "quick_gelu": "quick_gelu"}

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..model import ViT, ViTConfig
-from ._common import build
+from .common import build
 from .files import CheckpointNotFound, find_checkpoint, read_json, read_weights
 from .hf import HF_ARCHITECTURES, hf_config_to_vit, hf_num_classes, hf_state_dict_to_vit
 from .timm import timm_state_dict_to_vit

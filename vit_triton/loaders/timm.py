@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..model import ViT, ViTConfig
-from ._common import Mapped, build
+from .common import Mapped, build
 
 _RULES = [
     (r"patch_embed\.proj\.(weight|bias)", r"patch_embed.\1"),

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from ..kernels._tune import capture_stream
+from ..kernels.tuning import capture_stream
 from ..kernels.tf32 import refresh_copies
 from ..model import ViT
 
