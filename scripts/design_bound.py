@@ -50,7 +50,7 @@ def graph_replay(model: ViT, pixels: torch.Tensor, linear) -> tuple[CUDAGraphRun
         runner.capture(tuple(pixels.shape), pixels.dtype)
     finally:
         vit_module.linear = real
-    return runner, runner._graphs[runner.key(tuple(pixels.shape), pixels.dtype)][0].replay
+    return runner, runner.graph(tuple(pixels.shape), pixels.dtype).replay
 
 
 def measure(model_name: str, batch: int, modes: list[str], rounds: int, board: Board) -> list[dict]:

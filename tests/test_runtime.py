@@ -32,6 +32,18 @@ def test_replay_equals_the_eager_forward():
         torch.testing.assert_close(runner(pixels), model(pixels), rtol=0, atol=0)
 
 
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a CUDA device")
+def test_a_graphs_own_replay_runs_the_forward_on_its_buffers():
+    model = ViT(PRESETS["tiny"], device=DEVICE).eval()
+    runner = vit_triton.compile(model, batch_sizes=[2])
+    pixels = torch.randn(2, 3, 40, 40, device=DEVICE)
+    replayed = runner(pixels)   # copies pixels into the graph's input buffer
+    out = runner._graphs[runner.key(tuple(pixels.shape), pixels.dtype)][2]
+    out.zero_()
+    runner.graph((2, 3, 40, 40), pixels.dtype).replay()
+    torch.testing.assert_close(out, replayed, rtol=0, atol=0)
+
+
 def test_a_graph_per_float32_matmul_precision():
     # The kernels read the precision when they are launched, so a graph captured with exact float32
     # matmuls must not be replayed once tf32 is on.

@@ -46,6 +46,11 @@ class CUDAGraphRunner:
         with self._lock:
             self._capture(tuple(shape), dtype, device)
 
+    def graph(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.cuda.CUDAGraph:
+        """The graph captured for inputs of this shape and dtype (capture() first): its replay() runs the forward
+        on the graph's own input and output buffers, with nothing copied, for timing."""
+        return self._graphs[self.key(shape, dtype)][0]
+
     @staticmethod
     def key(shape: tuple[int, ...], dtype: torch.dtype) -> tuple:
         """What a graph is kept under: input shape, dtype and torch.get_float32_matmul_precision()."""
