@@ -18,6 +18,7 @@ _EXIT_CODES = """exit status:
   1    failure: a checkpoint that cannot be used, an I/O error, ... (message on stderr);
        classify: an image could not be read (the other images are still printed)
   2    usage error: a bad option, INPUT or --model not found, an output written with other settings
+       or being written by another run
   130  interrupted; embed continues where it stopped when the same command is run again"""
 _MODEL_HELP = ("checkpoint: a HuggingFace hub id (google/vit-base-patch16-224, facebook/deit-base-distilled-"
                "patch16-224, timm/vit_base_patch16_224.augreg2_in21k_ft_in1k), fetched into the HuggingFace cache "
@@ -110,6 +111,7 @@ outputs (OUT = emb.parquet or emb.npy):
   emb.npy              embeddings [N, D] (+ emb.tokens.npy [N, T, D]) and emb.paths.json (their paths, in order)
   emb.skipped.tsv      path and reason of each input not embedded (empty, truncated, corrupt, not an image)
   emb.parquet.partial/ while running: the finished chunks and the manifest a resumed run continues from
+  emb.parquet.lock     while running: the lock that refuses a second run into the same output
 
 several GPUs: torchrun --nproc-per-node N -m vit_triton embed INPUT --model M --output OUT
   shards the chunks over the processes and writes the same output as one process.""",
@@ -119,7 +121,8 @@ several GPUs: torchrun --nproc-per-node N -m vit_triton embed INPUT --model M --
             "while the GPU runs, write finished chunks atomically, merge them into OUT at the end. Files that "
             "cannot be read are skipped and listed with the reason; the run never stops for one. Killed (even "
             "with kill -9), the same command continues where it stopped, without duplicates or gaps; run again "
-            "after it finished, it does nothing.", 100),
+            "after it finished, it embeds only the files new in INPUT and adds their rows. Images are turned "
+            "upright by their EXIF orientation.", 100),
     )
     embed.add_argument("input", metavar="INPUT",
                        help="a directory (recursive; hidden files left out), a text file of paths (one per line, "
