@@ -32,6 +32,15 @@ def test_replay_equals_the_eager_forward():
         torch.testing.assert_close(runner(pixels), model(pixels), rtol=0, atol=0)
 
 
+def test_a_graph_per_set_of_launch_options():
+    shape = (2, 3, 40, 40)
+    with vit_triton.launch_options(pdl=False):
+        without_pdl = CUDAGraphRunner.key(shape, torch.float32)
+    assert without_pdl != CUDAGraphRunner.key(shape, torch.float32)
+    with vit_triton.launch_options(pdl=False):
+        assert CUDAGraphRunner.key(shape, torch.float32) == without_pdl
+
+
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a CUDA device")
 def test_a_graphs_own_replay_runs_the_forward_on_its_buffers():
     model = ViT(PRESETS["tiny"], device=DEVICE).eval()

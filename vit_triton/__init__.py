@@ -18,6 +18,7 @@ _EXPORTS = {
     "from_pretrained": ".loaders",
     "Preprocess": ".data",
     "embed_images": ".pipelines",
+    "launch_options": ".kernels",
 }
 __all__ = [*_EXPORTS, "__version__"]
 

@@ -10,7 +10,9 @@ import torch
 
 from tests.kernels.checks import TF32_WEIGHT_PATHS, empty, inference, raises_value_error, rand, tf32_matmuls
 from tests.numerics import DEVICE
-from vit_triton.kernels import add_layer_norm, fused_attention, layer_norm, linear, linear_partials, round_to_tf32
+from vit_triton.kernels import (
+    add_layer_norm, fused_attention, launch_options, layer_norm, linear, linear_partials, round_to_tf32,
+)
 from vit_triton.kernels import tf32 as TF32
 from vit_triton.kernels.tf32 import TF32_WEIGHT_ROWS
 
@@ -171,16 +173,16 @@ def test_no_copy_without_tf32_or_of_an_inference_tensor():
         assert id(frozen) not in TF32._copies
 
 
-def test_no_copies_kept_when_turned_off(monkeypatch, one_config):
-    # VIT_TRITON_TF32_COPIES=0 trades the copies' memory for speed: the GEMM rounds W for the
+def test_no_copies_kept_when_turned_off(one_config):
+    # launch_options(tf32_copies=False) trades the copies' memory for speed: the GEMM rounds W for the
     # call (from TF32_WEIGHT_ROWS rows) or in its K loop, with the same bits.
     w = rand(24, 40, dtype=F32)
     with tf32_matmuls():
         small, large = (rand(rows, 40, dtype=F32) for rows in (3, TF32.TF32_WEIGHT_ROWS))
         expected = [linear(x, w) for x in (small, large)]
         TF32.clear_copies()
-        monkeypatch.setenv("VIT_TRITON_TF32_COPIES", "0")
-        assert [torch.equal(linear(x, w), e) for x, e in zip((small, large), expected)] == [True, True]
+        with launch_options(tf32_copies=False):
+            assert [torch.equal(linear(x, w), e) for x, e in zip((small, large), expected)] == [True, True]
         assert id(w) not in TF32._copies
 
 

@@ -1,9 +1,14 @@
-"""Shared pieces of the kernels: interpreter detection, input checks, the tile matmul."""
+"""Shared pieces of the kernels: interpreter detection, the caller's launch options, input checks, the tile
+matmul."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import triton
@@ -14,6 +19,37 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 _INTERPRET = tl.constexpr(INTERPRET)
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchOptions:
+    """What a caller may choose for the launches it makes. pdl: programmatic dependent launch on Hopper, and
+    linear's L2 prefetch of its weights (pdl()); tf32_copies: tf32 GEMMs keep a rounded copy of each float32
+    weight, as much memory again, instead of rounding it at every call (tf32.py)."""
+
+    pdl: bool = True
+    tf32_copies: bool = True
+
+
+_thread = threading.local()
+
+
+def current_launch_options() -> LaunchOptions:
+    """This thread's options: those of the innermost `launch_options(...)` block it is in, else the defaults."""
+    return getattr(_thread, "launch_options", LaunchOptions())
+
+
+@contextmanager
+def launch_options(**choices: bool) -> Iterator[LaunchOptions]:
+    """`with launch_options(pdl=False, tf32_copies=False):` the launches this thread makes in the block take these
+    LaunchOptions (the others as they were); an unknown name raises TypeError. CUDA graphs keep the options they
+    were captured with, and vit_triton.compile captures a graph for each set of options it is called with."""
+    before = current_launch_options()
+    _thread.launch_options = dataclasses.replace(before, **choices)
+    try:
+        yield _thread.launch_options
+    finally:
+        _thread.launch_options = before
 LOG2E = 1.4426950408889634   # e^x = 2^(x log2(e)): kernels exponentiate with exp2
 
 try:  # grid dependency control (Triton 3.4+); without it every kernel launches the ordinary way
@@ -201,11 +237,11 @@ def _pdl_supported(index: int | None) -> bool:
 
 def pdl(device: torch.device, programs: int) -> dict:
     """Launch arguments for programmatic dependent launch: the kernel's PDL and Triton's launch_pdl,
-    on for CUDA devices of compute capability 9.0 and newer (Hopper) unless VIT_TRITON_PDL=0; off
-    under the interpreter. `programs`: how many programs (or tiles) the launch runs at most; when they
+    on for CUDA devices of compute capability 9.0 and newer (Hopper) unless launch_options(pdl=False) is in force;
+    off under the interpreter. `programs`: how many programs (or tiles) the launch runs at most; when they
     all fit on the SMs at once the next kernel may launch early (PDL_EARLY), else late (PDL_LATE)."""
     on = (not INTERPRET and gdc_wait is not None and device.type == "cuda"
-          and os.environ.get("VIT_TRITON_PDL", "1") != "0" and _pdl_supported(device.index))
+          and current_launch_options().pdl and _pdl_supported(device.index))
     if not on:
         return {"PDL": PDL_OFF}
     return {"PDL": PDL_EARLY if programs <= _sm_count(device.index) else PDL_LATE, "launch_pdl": True}

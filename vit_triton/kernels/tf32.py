@@ -10,8 +10,8 @@ every K step of every program: ViT-B/16's GEMMs ran 1.3-2.1x slower for it on an
   tells, and the copy is rounded again, in place, so a CUDA graph that reads it stays right as long as
   refresh_copies() runs before each replay (runtime.CUDAGraphRunner does). Writes that bypass the
   counter (through `.data` or the storage) are not seen: clear_copies() drops every copy. The kept
-  copies take as much memory again as the float32 weights; VIT_TRITON_TF32_COPIES=0 keeps none. Where
-  no copy is kept (that setting; an inference tensor has no version counter; nothing is allocated
+  copies take as much memory again as the float32 weights; common.launch_options(tf32_copies=False) keeps
+  none. Where no copy is kept (that setting; an inference tensor has no version counter; nothing is allocated
   during a CUDA-graph capture), a product of at least TF32_WEIGHT_ROWS rows reads a copy rounded for
   the call and a smaller one rounds W in its K loop;
 - activations: a kernel whose output is read only as a matmul operand (in a ViT the LayerNorms before
@@ -28,7 +28,6 @@ read and numel written, 4 bytes each (8 bytes an element in all), so memory-boun
 
 from __future__ import annotations
 
-import os
 import threading
 import weakref
 from dataclasses import dataclass
@@ -37,7 +36,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, check_dtype, pdl, start_next_kernel, to_tf32, wait_for_previous_kernel
+from .common import (
+    INTERPRET, check_dtype, current_launch_options, pdl, start_next_kernel, to_tf32, wait_for_previous_kernel,
+)
 
 BLOCK = 4096   # elements a program: 16 KB read, 16 KB written
 # Without a kept copy, a GEMM of at least this many rows reads its weight rounded for the call
@@ -108,15 +109,10 @@ def _forget(ref: weakref.ref, key: int) -> None:
         _copies.pop(key, None)
 
 
-def keep_copies() -> bool:
-    """Whether tf32 GEMMs keep rounded copies of their weights: yes unless VIT_TRITON_TF32_COPIES=0 (read at
-    each call; copies kept before stay until clear_copies())."""
-    return os.environ.get("VIT_TRITON_TF32_COPIES", "1") != "0"
-
-
 def _kept_copy(weight: torch.Tensor) -> torch.Tensor | None:
     """The weight's kept rounded copy, made or brought up to date; None where none may be kept."""
-    if weight.is_inference() or not keep_copies():
+    # Copies kept before launch_options(tf32_copies=False) stay until clear_copies().
+    if weight.is_inference() or not current_launch_options().tf32_copies:
         return None
     key = id(weight)
     copy = _copies.get(key)

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from ..kernels import current_launch_options
 from ..kernels.tuning import capture_stream
 from ..kernels.tf32 import refresh_copies
 from ..model import ViT
@@ -53,8 +54,9 @@ class CUDAGraphRunner:
 
     @staticmethod
     def key(shape: tuple[int, ...], dtype: torch.dtype) -> tuple:
-        """What a graph is kept under: input shape, dtype and torch.get_float32_matmul_precision()."""
-        return tuple(shape), dtype, torch.get_float32_matmul_precision()
+        """What a graph is kept under: input shape, dtype, torch.get_float32_matmul_precision() and this thread's
+        launch options (kernels.launch_options), all of which the captured launches depend on."""
+        return tuple(shape), dtype, torch.get_float32_matmul_precision(), current_launch_options()
 
     def _capture(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
         # Random inputs for the warm-up calls, which tune the kernels; integer (uint8 pixel) inputs take 0-255.
