@@ -38,29 +38,29 @@ class Mapped:
         self.reported: set[str] = set()   # our keys whose problem is already in `problems`
         self.missing_parts: dict[str, list[str]] = {}   # our key -> the parts of it (concat) the checkpoint lacks
 
-    def concat(self, key: str, parts: Iterable[str], shape: tuple[int, ...] | None = None) -> None:
+    def concat(self, key: str, parts: list[str], shape: tuple[int, ...] | None = None) -> None:
         """tensors[key] = the present `parts` concatenated along dim 0. shape: each part's expected shape, and
         every part required (q, k, v into qkv); else each part is reshaped to rows of the last dim (tokens)."""
-        parts = list(parts)
         present = [p for p in parts if p in self.tensors]
-        if shape is not None and len(present) < len(parts):
-            self.missing_parts[key] = [p for p in parts if p not in present]
-        if not present:
-            return
-        origin = [name for p in parts for name in self.origin.get(p, [])]
+        origin = [name for p in present for name in self.origin[p]]
         if shape is None:
-            width = self.tensors[present[0]].shape[-1]
-            tensors = [self.tensors.pop(p).reshape(-1, width) for p in present]
+            if present:
+                width = self.tensors[present[0]].shape[-1]
+                self.tensors[key] = torch.cat([self.tensors.pop(p).reshape(-1, width) for p in present])
+                self.origin[key] = origin
+            return
+        missing = [p for p in parts if p not in self.tensors]
+        wrong = [p for p in present if tuple(self.tensors[p].shape) != shape]
+        tensors = [self.tensors.pop(p) for p in present]
+        if wrong:
+            self.problems += [f"wrong shape: {self.origin[p][0]} is {list(t.shape)}, expected {list(shape)}"
+                              for p, t in zip(present, tensors) if p in wrong]
+            self.reported.add(key)
+        elif missing:   # check() names them after the same parts of another block
+            self.missing_parts[key] = missing
         else:
-            wrong = [p for p in present if tuple(self.tensors[p].shape) != shape]
-            self.problems += [f"wrong shape: {self.origin[p][0]} is {list(self.tensors[p].shape)}, expected "
-                              f"{list(shape)}" for p in wrong]
-            tensors = [self.tensors.pop(p) for p in present]
-            if wrong or len(present) < len(parts):   # reported here, or as missing parts by check
-                self.reported.update([key] if wrong else [])
-                return
-        self.tensors[key] = torch.cat(tensors)
-        self.origin[key] = origin
+            self.tensors[key] = torch.cat(tensors)
+            self.origin[key] = origin
 
     def reshape(self, key: str, *shape: int) -> None:
         if key in self.tensors:

@@ -80,11 +80,11 @@ def hf_state_dict_to_vit(state_dict: dict[str, torch.Tensor], cfg: ViTConfig) ->
     checkpoint's own key names."""
     mapped = Mapped(state_dict, _RULES, _UNUSED)
     d = cfg.embed_dim
-    mapped.concat("prefix_tokens", ("cls_token", "distillation_token"))
+    mapped.concat("prefix_tokens", ["cls_token", "distillation_token"])
     mapped.reshape("pos_embed", -1, d)
     for i in range(cfg.depth):
-        mapped.concat(f"blocks.{i}.qkv.weight", (f"blocks.{i}.{n}.weight" for n in "qkv"), shape=(d, d))
-        mapped.concat(f"blocks.{i}.qkv.bias", (f"blocks.{i}.{n}.bias" for n in "qkv"), shape=(d,))
+        mapped.concat(f"blocks.{i}.qkv.weight", [f"blocks.{i}.{n}.weight" for n in "qkv"], shape=(d, d))
+        mapped.concat(f"blocks.{i}.qkv.bias", [f"blocks.{i}.{n}.bias" for n in "qkv"], shape=(d,))
     return mapped.check(cfg, "HuggingFace ViT")
 
 

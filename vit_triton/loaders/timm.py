@@ -83,7 +83,7 @@ def timm_state_dict_to_vit(state_dict: dict[str, torch.Tensor], cfg: ViTConfig) 
     """Our state dict from a timm VisionTransformer one; raises listing every mismatch by the checkpoint's
     own key names."""
     mapped = Mapped(state_dict, _RULES)
-    mapped.concat("prefix_tokens", ("cls_token", "dist_token", "reg_token"))
+    mapped.concat("prefix_tokens", ["cls_token", "dist_token", "reg_token"])
     mapped.reshape("pos_embed", -1, cfg.embed_dim)
     return mapped.check(cfg, "timm VisionTransformer")
 
