@@ -19,12 +19,34 @@ TINY_TIMM = dict(img_size=32, patch_size=8, depth=2)
 
 
 def hf_model(cls_name: str, seed: int = 0, **kw) -> torch.nn.Module:
-    """A randomized transformers ViT*/DeiT* model of TINY_HF's shape, in eval mode."""
+    """A randomized transformers model of TINY_HF's shape (a CLIPModel: its vision tower's, with a small text
+    tower), in eval mode."""
     import transformers
 
-    config_cls = transformers.DeiTConfig if cls_name.startswith("DeiT") else transformers.ViTConfig
-    model = getattr(transformers, cls_name)(config_cls(**{**TINY_HF, **kw}))
-    return randomize_(model, seed=seed).eval()
+    cls = getattr(transformers, cls_name)
+    if cls is transformers.CLIPModel:
+        text = dict(hidden_size=32, intermediate_size=40, num_hidden_layers=1, num_attention_heads=2)
+        config = cls.config_class(vision_config=TINY_HF, text_config=text, **kw)
+    else:
+        config = cls.config_class(**{**TINY_HF, **kw})
+    return randomize_(cls(config), seed=seed).eval()
+
+
+def family_outputs(model, pixels):
+    """A transformers DINOv2, CLIP or ViT-MAE encoder's last_hidden_state, the image embedding its library
+    defines, and the pooled features before a projection."""
+    import transformers
+
+    if isinstance(model, transformers.ViTMAEModel):   # no masking: mask_ratio 0 and the patches kept in order
+        grid = model.config.image_size // model.config.patch_size
+        noise = torch.arange(grid * grid, device=pixels.device).expand(len(pixels), -1)
+        features = model(pixels, noise=noise.to(pixels.dtype)).last_hidden_state
+        return features, features[:, 0], features[:, 0]
+    if isinstance(model, (transformers.CLIPModel, transformers.CLIPVisionModelWithProjection)):
+        out = model.vision_model(pixels)
+        return out.last_hidden_state, model.visual_projection(out.pooler_output), out.pooler_output
+    out = model(pixels)
+    return out.last_hidden_state, out.pooler_output, out.pooler_output
 
 
 def save_hf(model: torch.nn.Module, directory: Path, processor: dict | None = None, **save_kw) -> Path:

@@ -11,6 +11,7 @@ import transformers
 from timm.layers import RmsNorm
 from timm.models.vision_transformer import VisionTransformer
 
+from tests.checkpoints import family_outputs
 from tests.numerics import DEVICE, assert_close, randomize_
 from vit_triton import from_hf, from_timm
 from vit_triton.loaders import hf_config_to_vit, hf_num_classes, hf_state_dict_to_vit, timm_config_to_vit
@@ -61,6 +62,56 @@ def test_from_hf_matches_transformers(variant, dtype):
     cls, kw = HF_VARIANTS[variant]
     cfg = transformers.ViTConfig(**TINY_HF, **kw)
     _check_parity(cls(cfg), _hf_outputs, from_hf, dtype, cfg.image_size, cfg.num_channels)
+
+
+TINY_VISION = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=24, patch_size=8)
+FAMILIES = {
+    "dinov2": (transformers.Dinov2Model, transformers.Dinov2Config, dict(mlp_ratio=2, layerscale_value=0.5)),
+    "dinov2-registers": (transformers.Dinov2WithRegistersModel, transformers.Dinov2WithRegistersConfig,
+                         dict(mlp_ratio=2, num_register_tokens=4, qkv_bias=False)),
+    "clip": (transformers.CLIPVisionModel, transformers.CLIPVisionConfig, dict(intermediate_size=96)),
+    "clip-projection": (transformers.CLIPVisionModelWithProjection, transformers.CLIPVisionConfig,
+                        dict(intermediate_size=96, projection_dim=40, hidden_act="gelu")),
+    "clip-model": (transformers.CLIPModel, transformers.CLIPConfig, dict(projection_dim=40, text_config=dict(
+        hidden_size=32, intermediate_size=40, num_hidden_layers=1, num_attention_heads=2))),
+    "vit-mae": (transformers.ViTMAEModel, transformers.ViTMAEConfig, dict(intermediate_size=96, mask_ratio=0.0)),
+}
+
+
+def _family_model(family: str) -> torch.nn.Module:
+    cls, config_cls, kw = FAMILIES[family]
+    if config_cls is transformers.CLIPConfig:
+        return cls(config_cls(vision_config=dict(TINY_VISION, intermediate_size=96), **kw))
+    return cls(config_cls(**TINY_VISION, **kw))
+
+
+@pytest.mark.parametrize("family, dtype", [(f, torch.float32) for f in FAMILIES]
+                         + [(f, torch.bfloat16) for f in ("dinov2", "clip-projection")])
+def test_from_hf_families_match_transformers(family, dtype):
+    _check_parity(_family_model(family), family_outputs, from_hf, dtype)
+
+
+def test_hf_families_return_what_their_users_want():
+    """DINOv2: the normalized class token; CLIP: the projected, post-normed class token (image_embeds)."""
+    dinov2, clip = from_hf(_family_model("dinov2")), from_hf(_family_model("clip-model"))
+    assert (dinov2.config.num_classes, dinov2.config.proj_dim, dinov2.config.embedding_dim) == (0, 0, 64)
+    assert clip.config.fc_norm and clip.config.pre_norm and clip.config.embedding_dim == 40
+    assert clip.norm is None and clip.fc_norm is not None   # last_hidden_state is not normalized
+
+
+def test_layer_scale_is_folded_and_checked():
+    model = randomize_(transformers.Dinov2Model(transformers.Dinov2Config(**TINY_VISION, layerscale_value=0.5)))
+    sd = dict(model.state_dict())
+    cfg = hf_config_to_vit(model.config.to_dict())
+    ours = hf_state_dict_to_vit(sd, cfg)
+    gamma = sd["layers.1.layer_scale2.lambda1"] if "layers.1.layer_scale2.lambda1" in sd \
+        else sd["encoder.layer.1.layer_scale2.lambda1"]
+    fc2 = next(v for k, v in sd.items() if k.endswith("1.mlp.fc2.weight"))
+    torch.testing.assert_close(ours["blocks.1.fc2.weight"], gamma[:, None] * fc2)
+    missing = next(k for k in sd if k.endswith("0.layer_scale1.lambda1"))
+    del sd[missing]
+    with pytest.raises(ValueError, match=re.escape(f"missing: {missing} (the layer scale of blocks.0.proj)")):
+        hf_state_dict_to_vit(sd, cfg)
 
 
 def _old_hf_spelling(key: str) -> str:
@@ -116,11 +167,12 @@ TIMM_VARIANTS = {
     "no-class-token-tanh-no-qkv-bias": dict(class_token=False, global_pool="avg", act_layer="gelu_tanh",
                                              qkv_bias=False, num_classes=2),
     "token-no-final-norm": dict(final_norm=False, num_classes=0),
+    "layer-scale-registers-no_embed_class": dict(init_values=0.5, reg_tokens=4, no_embed_class=True, num_classes=0),
 }
 
 
 @pytest.mark.parametrize("variant, dtype", [(v, torch.float32) for v in TIMM_VARIANTS]
-                         + [(v, torch.bfloat16) for v in list(TIMM_VARIANTS)[:2]])
+                         + [(v, torch.bfloat16) for v in list(TIMM_VARIANTS)[:2] + ["layer-scale-registers-no_embed_class"]])
 def test_from_timm_matches_timm(variant, dtype):
     def run(m, px):
         f = m.forward_features(px)
@@ -164,7 +216,6 @@ def test_missing_value_projection_is_reported():
 
 @pytest.mark.parametrize("kw, match", [
     (dict(global_pool="map"), r"global_pool 'map' \(supported: token, avg\)"),
-    (dict(init_values=0.1), r"layer scale \(init_values\)"),
     (dict(qk_norm=True), "qk_norm"),
     (dict(norm_layer=RmsNorm), r"norm layer RmsNorm \(supported: LayerNorm\)"),
     (dict(proj_bias=False), "proj_bias=False"),
@@ -179,7 +230,7 @@ def test_unsupported_modules():
         from_timm(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="ViTForImageClassification, DeiTModel, .*, got Linear"):
         from_hf(torch.nn.Linear(2, 2))
-    with pytest.raises(ValueError, match="unsupported HuggingFace model_type 'swin'; supported: 'vit', 'deit'"):
+    with pytest.raises(ValueError, match="unsupported HuggingFace model_type 'swin'; supported: 'clip_vision_model', 'deit', "):
         hf_config_to_vit({"model_type": "swin"})
     with pytest.raises(ValueError, match="unsupported hidden_act 'relu'; supported: gelu, "):
         hf_config_to_vit({**transformers.ViTConfig(**TINY_HF).to_dict(), "hidden_act": "relu"})

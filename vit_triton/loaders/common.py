@@ -62,6 +62,47 @@ class Mapped:
             self.tensors[key] = torch.cat(tensors)
             self.origin[key] = origin
 
+    def fold_layer_scale(self, depth: int) -> None:
+        """LayerScale (blocks.i.ls1 after proj, ls2 after fc2: a per-channel gamma multiplying the branch's
+        output) folded into that layer's weight rows and bias, in float32, so the model runs without it:
+        gamma * (h W^T + b) = h (gamma W)^T + gamma b. Blocks must all have it or none."""
+        pairs = [(f"blocks.{i}.{ls}", f"blocks.{i}.{layer}") for i in range(depth)
+                 for ls, layer in (("ls1", "proj"), ("ls2", "fc2"))]
+        if not any(ls in self.tensors for ls, _ in pairs):
+            return
+        for ls, layer in pairs:
+            if ls not in self.tensors:
+                theirs = self._their_names(ls)
+                self.problems.append(f"missing: {', '.join(theirs) if theirs else ls} (the layer scale of {layer})")
+                continue
+            gamma, origin = self.tensors.pop(ls), self.origin.pop(ls)
+            for key in (f"{layer}.weight", f"{layer}.bias"):
+                t = self.tensors.get(key)
+                if t is None:
+                    continue
+                if tuple(gamma.shape) != t.shape[:1]:
+                    self.problems.append(f"wrong shape: {origin[0]} is {list(gamma.shape)}, expected [{t.shape[0]}]")
+                    continue
+                dtype = torch.promote_types(t.dtype, torch.float32)
+                scale = gamma.to(dtype)
+                self.tensors[key] = t.to(dtype) * (scale[:, None] if t.dim() == 2 else scale)
+                self.origin[key] = self.origin[key] + origin
+
+    def add_first_row(self, key: str, table: str) -> None:
+        """tensors[key] += tensors[table][0] (in float32), which then loses that row: a position embedding's row
+        for a token that is never resampled, folded into the token."""
+        if key in self.tensors and table in self.tensors:
+            token, rows = self.tensors[key], self.tensors[table]
+            dtype = torch.promote_types(token.dtype, torch.float32)
+            self.tensors[key] = token.to(dtype) + rows[0].to(dtype)
+            self.tensors[table] = rows[1:]
+            self.origin[key] = self.origin[key] + self.origin[table]
+
+    def move(self, key: str, new_key: str) -> None:
+        """tensors[key] renamed to new_key (a checkpoint layer that plays another of our roles)."""
+        if key in self.tensors:
+            self.tensors[new_key], self.origin[new_key] = self.tensors.pop(key), self.origin.pop(key)
+
     def reshape(self, key: str, *shape: int) -> None:
         if key in self.tensors:
             self.tensors[key] = self.tensors[key].reshape(*shape)

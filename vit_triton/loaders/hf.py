@@ -1,13 +1,13 @@
-"""HuggingFace transformers ViT (ViTModel, ViTForImageClassification) and DeiT (DeiTModel,
-DeiTForImageClassification, DeiTForImageClassificationWithTeacher) -> vit-triton.
+"""HuggingFace transformers vision encoders -> vit-triton: ViT, DeiT, DINOv2 (with registers), CLIP's vision
+tower (with its projection), ViT-MAE's encoder.
 
-Keys come in two spellings: the hub's (transformers 4: encoder.layer.N.attention.attention.query,
-intermediate.dense, output.dense, ...) and transformers 5's (layers.N.attention.q_proj, mlp.fc1,
-...). Both map here. q, k and v are concatenated into one QKV weight; ViTModel's pooler
-(dense + tanh over the class token) is not part of our forward, which returns the class token, and
-neither is the mask token of ViTModel(use_mask_token=True).
-DeiT is ViT with a distillation token after the class token, and with a teacher, a second
-classifier on it (cls_classifier -> head, distillation_classifier -> head_dist).
+Keys come in the hub's spellings (transformers 4: encoder.layer.N.attention.attention.query,
+intermediate.dense, output.dense, ...; CLIP's encoder.layers.N.self_attn.q_proj, layer_norm1, ...) and in
+transformers 5's (layers.N.attention.q_proj, mlp.fc1, ...). All map here. q, k and v are concatenated into one
+QKV weight; DINOv2's LayerScale is folded into the layer before it. Not part of our forward: ViTModel's pooler
+(dense + tanh over the class token), mask tokens, the text tower of a CLIPModel checkpoint and ViT-MAE's
+decoder. DeiT is ViT with a distillation token after the class token, and with a teacher, a second classifier
+on it (cls_classifier -> head, distillation_classifier -> head_dist).
 """
 
 from __future__ import annotations
@@ -20,25 +20,47 @@ from .common import Mapped, build
 _ACTIVATIONS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
                 "quick_gelu": "quick_gelu"}
 
-_LAYER = r"(?:encoder\.layer|layers)\.(\d+)\."
-# ViTForImageClassification nests the model under "vit." (DeiT: "deit."); a bare ViTModel does not.
-_RULES = [(r"(?:vit\.|deit\.)?" + pattern, repl) for pattern, repl in [
-    (r"embeddings\.(cls_token|distillation_token)", r"\1"),
-    (r"embeddings\.position_embeddings", "pos_embed"),
-    (r"embeddings\.patch_embeddings\.projection\.(weight|bias)", r"patch_embed.\1"),
-    (_LAYER + r"attention\.(?:attention\.)?(?:query|q_proj)\.(weight|bias)", r"blocks.\1.q.\2"),
-    (_LAYER + r"attention\.(?:attention\.)?(?:key|k_proj)\.(weight|bias)", r"blocks.\1.k.\2"),
-    (_LAYER + r"attention\.(?:attention\.)?(?:value|v_proj)\.(weight|bias)", r"blocks.\1.v.\2"),
-    (_LAYER + r"attention\.(?:output\.dense|o_proj)\.(weight|bias)", r"blocks.\1.proj.\2"),
-    (_LAYER + r"layernorm_before\.(weight|bias)", r"blocks.\1.norm1.\2"),
-    (_LAYER + r"layernorm_after\.(weight|bias)", r"blocks.\1.norm2.\2"),
+# architecture -> model_type of the config that describes its vision encoder
+ARCHITECTURES = {
+    "ViTModel": "vit", "ViTForImageClassification": "vit",
+    "DeiTModel": "deit", "DeiTForImageClassification": "deit", "DeiTForImageClassificationWithTeacher": "deit",
+    "Dinov2Model": "dinov2", "Dinov2WithRegistersModel": "dinov2_with_registers",
+    "CLIPVisionModel": "clip_vision_model", "CLIPVisionModelWithProjection": "clip_vision_model",
+    "CLIPModel": "clip",
+    "ViTMAEModel": "vit_mae", "ViTMAEForPreTraining": "vit_mae",
+}
+HF_ARCHITECTURES = tuple(ARCHITECTURES)
+# What each returns as the image embedding (ViT.embedding): CLIP's projected class token where it has one.
+_PROJECTED = ("CLIPVisionModelWithProjection", "CLIPModel")
+
+_LAYER = r"(?:encoder\.layers?|layers)\.(\d+)\."
+_ATTENTION = r"(?:attention\.(?:attention\.)?|self_attn\.)"
+# ViTForImageClassification nests the model under "vit." (DeiT: "deit."), CLIP under "vision_model."
+_RULES = [(r"(?:vit\.|deit\.|dinov2\.|vision_model\.)?" + pattern, repl) for pattern, repl in [
+    (r"embeddings\.(?:cls_token|class_embedding)", "cls_token"),
+    (r"embeddings\.distillation_token", "distillation_token"),
+    (r"embeddings\.register_tokens", "reg_token"),
+    (r"embeddings\.(?:position_embeddings|position_embedding\.weight)", "pos_embed"),
+    (r"embeddings\.(?:patch_embeddings\.projection|patch_embedding)\.(weight|bias)", r"patch_embed.\1"),
+    (r"pre_layrnorm\.(weight|bias)", r"norm_pre.\1"),
+    (_LAYER + _ATTENTION + r"(?:query|q_proj)\.(weight|bias)", r"blocks.\1.q.\2"),
+    (_LAYER + _ATTENTION + r"(?:key|k_proj)\.(weight|bias)", r"blocks.\1.k.\2"),
+    (_LAYER + _ATTENTION + r"(?:value|v_proj)\.(weight|bias)", r"blocks.\1.v.\2"),
+    (_LAYER + r"(?:attention\.output\.dense|attention\.o_proj|self_attn\.out_proj)\.(weight|bias)",
+     r"blocks.\1.proj.\2"),
+    (_LAYER + r"(?:layernorm_before|norm1|layer_norm1)\.(weight|bias)", r"blocks.\1.norm1.\2"),
+    (_LAYER + r"(?:layernorm_after|norm2|layer_norm2)\.(weight|bias)", r"blocks.\1.norm2.\2"),
     (_LAYER + r"(?:intermediate\.dense|mlp\.fc1)\.(weight|bias)", r"blocks.\1.fc1.\2"),
     (_LAYER + r"(?:output\.dense|mlp\.fc2)\.(weight|bias)", r"blocks.\1.fc2.\2"),
-    (r"layernorm\.(weight|bias)", r"norm.\1"),
+    (_LAYER + r"layer_scale([12])\.lambda1", r"blocks.\1.ls\2"),
+    (r"(?:layernorm|post_layernorm)\.(weight|bias)", r"norm.\1"),
 ]] + [(r"(?:cls_)?classifier\.(weight|bias)", r"head.\1"),
-       (r"distillation_classifier\.(weight|bias)", r"head_dist.\1")]
-# Not in our forward: the pooler, and the mask token that only masked image modelling inputs use.
-_UNUSED = [(r"(?:vit\.|deit\.)?(?:pooler\.dense\.(?:weight|bias)|embeddings\.mask_token)", "")]
+       (r"distillation_classifier\.(weight|bias)", r"head_dist.\1"),
+       (r"visual_projection\.weight", "proj.weight")]
+# Not in our forward: the pooler, mask tokens, position ids, a CLIP checkpoint's text tower, MAE's decoder.
+_UNUSED = [(r"(?:vit\.|deit\.|dinov2\.|vision_model\.)?(?:pooler\.dense\.(?:weight|bias)|embeddings\.mask_token"
+            r"|embeddings\.position_ids)", ""),
+           (r"(?:(?:text_model\.|decoder\.).*|text_projection\.weight|logit_scale)", "")]
 
 
 def _square(config: dict, key: str) -> int:
@@ -51,54 +73,89 @@ def _square(config: dict, key: str) -> int:
     raise ValueError(f"unsupported {key} {size!r}; supported: square (an int or two equal sides)")
 
 
-def hf_config_to_vit(config: dict, num_classes: int = 0, head_dist: bool = False) -> ViTConfig:
-    """ViTConfig from a transformers ViT or DeiT config (config.json as a dict); the head size, and
-    whether there is a distillation head (DeiTForImageClassificationWithTeacher), are separate."""
-    if config.get("model_type") not in ("vit", "deit"):
-        raise ValueError(f"unsupported HuggingFace model_type {config.get('model_type')!r}; supported: 'vit', 'deit'")
-    act = config.get("hidden_act", "gelu")
+def vision_config(config: dict) -> dict:
+    """The vision encoder's part of a config.json: a CLIPModel's vision_config (with the projection's width),
+    else the config itself."""
+    if config.get("model_type") == "clip":
+        return {**config["vision_config"], "model_type": "clip_vision_model",
+                "projection_dim": config.get("projection_dim", config["vision_config"].get("projection_dim"))}
+    return config
+
+
+def hf_config_to_vit(config: dict, num_classes: int = 0, head_dist: bool = False, projection: bool = False) -> ViTConfig:
+    """ViTConfig from a transformers config (config.json as a dict; a CLIPModel's is read through its
+    vision_config); the head size, whether there is a distillation head (DeiTForImageClassificationWithTeacher)
+    and whether the image embedding is projected (CLIP with projection) are separate."""
+    config = vision_config(config)
+    model_type = config.get("model_type")
+    families = sorted(set(ARCHITECTURES.values()) - {"clip"})
+    if model_type not in families:
+        raise ValueError(f"unsupported HuggingFace model_type {model_type!r}; supported: "
+                         f"{', '.join(map(repr, families))}")
+    clip, dinov2 = model_type == "clip_vision_model", model_type.startswith("dinov2")
+    act = config.get("hidden_act", "quick_gelu" if clip else "gelu")
     if act not in _ACTIVATIONS:
         raise ValueError(f"unsupported hidden_act {act!r}; supported: {', '.join(_ACTIVATIONS)}")
+    if config.get("use_swiglu_ffn"):
+        raise ValueError("unsupported use_swiglu_ffn=True (DINOv2's SwiGLU MLP, ViT-g/14)")
+    d = config["hidden_size"]
     return ViTConfig(
         image_size=_square(config, "image_size"), patch_size=_square(config, "patch_size"),
-        in_chans=config.get("num_channels", 3), embed_dim=config["hidden_size"], depth=config["num_hidden_layers"],
-        num_heads=config["num_attention_heads"], mlp_dim=config["intermediate_size"],
-        qkv_bias=config.get("qkv_bias", True), norm_eps=config.get("layer_norm_eps", 1e-12),
-        act=_ACTIVATIONS[act], num_classes=num_classes, dist_token=config["model_type"] == "deit",
-        head_dist=head_dist,
+        in_chans=config.get("num_channels", 3), embed_dim=d, depth=config["num_hidden_layers"],
+        num_heads=config["num_attention_heads"],
+        mlp_dim=int(d * config.get("mlp_ratio", 4)) if dinov2 else config["intermediate_size"],
+        qkv_bias=config.get("qkv_bias", True),
+        norm_eps=config.get("layer_norm_eps", 1e-5 if clip else 1e-6 if dinov2 else 1e-12),
+        act=_ACTIVATIONS[act], reg_tokens=config.get("num_register_tokens", 0),
+        pos_embed_prefix=not config.get("num_register_tokens"),   # see hf_state_dict_to_vit
+        patch_bias=not clip, pre_norm=clip, fc_norm=clip,   # CLIP normalizes only the pooled class token
+        num_classes=num_classes, dist_token=model_type == "deit", head_dist=head_dist,
+        proj_dim=config["projection_dim"] if projection else 0,
     )
 
 
 def hf_num_classes(state_dict: dict[str, torch.Tensor]) -> int:
-    """Rows of the classifier (ViTForImageClassification, DeiT's), 0 for a bare ViTModel or DeiTModel."""
+    """Rows of the classifier (ViTForImageClassification, DeiT's), 0 for a model without one."""
     head = state_dict.get("classifier.weight", state_dict.get("cls_classifier.weight"))
     return 0 if head is None else head.shape[0]
 
 
 def hf_state_dict_to_vit(state_dict: dict[str, torch.Tensor], cfg: ViTConfig) -> dict[str, torch.Tensor]:
-    """Our state dict from a HF ViT one (either key spelling); raises listing every mismatch by the
+    """Our state dict from a transformers one (any key spelling above); raises listing every mismatch by the
     checkpoint's own key names."""
     mapped = Mapped(state_dict, _RULES, _UNUSED)
     d = cfg.embed_dim
-    mapped.concat("prefix_tokens", ["cls_token", "distillation_token"])
     mapped.reshape("pos_embed", -1, d)
+    if cfg.reg_tokens:   # DINOv2's registers have no position: the class token's row moves into the token
+        mapped.add_first_row("cls_token", "pos_embed")
+    mapped.concat("prefix_tokens", ["cls_token", "distillation_token", "reg_token"])
     for i in range(cfg.depth):
         mapped.concat(f"blocks.{i}.qkv.weight", [f"blocks.{i}.{n}.weight" for n in "qkv"], shape=(d, d))
         mapped.concat(f"blocks.{i}.qkv.bias", [f"blocks.{i}.{n}.bias" for n in "qkv"], shape=(d,))
-    return mapped.check(cfg, "HuggingFace ViT")
+    mapped.fold_layer_scale(cfg.depth)
+    if cfg.fc_norm:   # CLIP's post_layernorm
+        for name in ("weight", "bias"):
+            mapped.move(f"norm.{name}", f"fc_norm.{name}")
+    return mapped.check(cfg, "HuggingFace")
 
 
-HF_ARCHITECTURES = ("ViTModel", "ViTForImageClassification", "DeiTModel", "DeiTForImageClassification",
-                    "DeiTForImageClassificationWithTeacher")
+def hf_architecture_to_vit(architecture: str, config: dict, state_dict: dict[str, torch.Tensor],
+                           num_classes: int = 0) -> tuple[ViTConfig, dict[str, torch.Tensor]]:
+    """(ViTConfig, our state dict) of a transformers model of this architecture (one of HF_ARCHITECTURES)."""
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"unsupported transformers architecture {architecture}; supported: "
+                         f"{', '.join(HF_ARCHITECTURES)}")
+    cfg = hf_config_to_vit(config, num_classes, head_dist=architecture.endswith("WithTeacher"),
+                           projection=architecture in _PROJECTED)
+    return cfg, hf_state_dict_to_vit(state_dict, cfg)
 
 
 def from_hf(module: torch.nn.Module) -> ViT:
-    """vit-triton model with the weights, device and dtype of a transformers ViT or DeiT model
-    (one of HF_ARCHITECTURES)."""
+    """vit-triton model with the weights, device and dtype of a transformers model (one of HF_ARCHITECTURES;
+    a CLIPModel gives its vision tower and projection)."""
     name = type(module).__name__
-    if name not in HF_ARCHITECTURES:
+    if name not in ARCHITECTURES:
         raise ValueError(f"from_hf takes a transformers {', '.join(HF_ARCHITECTURES)}, got {name}")
     state_dict = module.state_dict()
-    cfg = hf_config_to_vit(module.config.to_dict(), hf_num_classes(state_dict),
-                           head_dist=name == "DeiTForImageClassificationWithTeacher")
-    return build(cfg, hf_state_dict_to_vit(state_dict, cfg), next(module.parameters()))
+    cfg, ours = hf_architecture_to_vit(name, module.config.to_dict(), state_dict, hf_num_classes(state_dict))
+    return build(cfg, ours, next(module.parameters()))

@@ -18,12 +18,12 @@ import torch
 from ..model import ViT, ViTConfig
 from .common import build
 from .files import CheckpointNotFound, find_checkpoint, read_json, read_weights
-from .hf import HF_ARCHITECTURES, hf_config_to_vit, hf_num_classes, hf_state_dict_to_vit
+from .hf import ARCHITECTURES, HF_ARCHITECTURES, hf_architecture_to_vit, hf_num_classes
 from .timm import timm_state_dict_to_vit
 
 __all__ = ["CheckpointInfo", "CheckpointNotFound", "SUPPORTED", "from_pretrained", "read_checkpoint"]
 
-TIMM_ARCHITECTURES = "timm VisionTransformer and VisionTransformerDistilled (vit_*, deit_*)"
+TIMM_ARCHITECTURES = "timm VisionTransformer and VisionTransformerDistilled (vit_*, deit_*, deit3_*)"
 SUPPORTED = f"transformers {', '.join(HF_ARCHITECTURES)}; {TIMM_ARCHITECTURES}"
 
 
@@ -79,11 +79,11 @@ def _unsupported(what: str) -> ValueError:
 
 
 def _hf(source: str, config: dict, state_dict: dict, preprocessing: dict):
-    architectures = config.get("architectures") or [{"vit": "ViTModel", "deit": "DeiTModel"}.get(
-        config.get("model_type"), f"model_type {config.get('model_type')!r}")]
-    architecture = architectures[0]
-    if architecture not in HF_ARCHITECTURES or config.get("model_type") not in ("vit", "deit"):
-        raise _unsupported(f"{architecture} (transformers, model_type {config.get('model_type')!r})")
+    model_type = config.get("model_type")
+    bare = next((a for a, t in ARCHITECTURES.items() if t == model_type), f"model_type {model_type!r}")
+    architecture = (config.get("architectures") or [bare])[0]
+    if ARCHITECTURES.get(architecture) != model_type:
+        raise _unsupported(f"{architecture} (transformers, model_type {model_type!r})")
     id2label = {int(k): v for k, v in (config.get("id2label") or {}).items()}
     num_classes = 0
     if architecture.endswith(("Classification", "WithTeacher")):
@@ -92,8 +92,7 @@ def _hf(source: str, config: dict, state_dict: dict, preprocessing: dict):
         if id2label and len(id2label) != num_classes:
             raise ValueError(f"{source}: config.json names {len(id2label)} labels (id2label), but the classifier "
                              f"has {num_classes} rows")
-    cfg = hf_config_to_vit(config, num_classes, head_dist=architecture.endswith("WithTeacher"))
-    ours = hf_state_dict_to_vit(state_dict, cfg)
+    cfg, ours = hf_architecture_to_vit(architecture, config, state_dict, num_classes)
     labels = {i: id2label.get(i, f"LABEL_{i}") for i in range(num_classes)}
     return cfg, ours, CheckpointInfo(source, "transformers", architecture, labels, preprocessing)
 
@@ -102,7 +101,6 @@ def _hf(source: str, config: dict, state_dict: dict, preprocessing: dict):
 _TIMM_HEADS = {1152: 16, 1280: 16, 1408: 16, 1664: 16}
 _TIMM_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_tanh", "quick_gelu": "quick_gelu"}
 _TIMM_UNSUPPORTED = {
-    r"blocks\.\d+\.ls1\.(gamma|weight)": "layer scale (init_values)",
     r"blocks\.\d+\.attn\.[qk]_norm\..*": "qk_norm",
     r"blocks\.\d+\.(attn|mlp)\.norm\..*": "attention or MLP scale norms",
     r"attn_pool\..*": "attention pooling (global_pool 'map')",
@@ -113,7 +111,7 @@ _TIMM_UNSUPPORTED = {
 
 def _timm(source: str, config: dict, state_dict: dict):
     architecture = config["architecture"]
-    if not re.match(r"(vit|deit)_", architecture) or "patch_embed.proj.weight" not in state_dict:
+    if not re.match(r"(vit|deit3?)_", architecture) or "patch_embed.proj.weight" not in state_dict:
         raise _unsupported(f"{architecture} (timm)")
     found = {what for pattern, what in _TIMM_UNSUPPORTED.items() for k in state_dict if re.fullmatch(pattern, k)}
     if found:

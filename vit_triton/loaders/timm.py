@@ -2,7 +2,8 @@
 
 timm's names are ours but for the nesting (attn.qkv -> qkv, mlp.fc1 -> fc1, patch_embed.proj ->
 patch_embed), the prefix tokens (cls_token, dist_token and reg_token become the rows of prefix_tokens) and
-the leading batch dimension of pos_embed.
+the leading batch dimension of pos_embed. LayerScale (ls1, ls2: DeiT III, DINOv2) is folded into the
+layer before it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ _RULES = [
     (r"(cls_token|dist_token|reg_token|pos_embed)", r"\1"),
     (r"blocks\.(\d+)\.attn\.(qkv|proj)\.(weight|bias)", r"blocks.\1.\2.\3"),
     (r"blocks\.(\d+)\.mlp\.(fc1|fc2)\.(weight|bias)", r"blocks.\1.\2.\3"),
+    (r"blocks\.(\d+)\.(ls[12])\.gamma", r"blocks.\1.\2"),
     (r"(blocks\.\d+\.norm[12]|norm_pre|norm|fc_norm|head|head_dist)\.(weight|bias)", r"\1.\2"),
 ]
 _POOLS = ("token", "avg")
@@ -49,7 +51,6 @@ def timm_config_to_vit(module: nn.Module) -> ViTConfig:
     unsupported = {
         f"global_pool {module.global_pool!r} (supported: {', '.join(_POOLS)})": module.global_pool not in _POOLS,
         "attention pooling (attn_pool)": getattr(module, "attn_pool", None) is not None,
-        "layer scale (init_values)": not isinstance(getattr(block, "ls1", nn.Identity()), nn.Identity),
         "qk_norm": not isinstance(getattr(block.attn, "q_norm", nn.Identity()), nn.Identity),
         "attention or MLP scale norms": not isinstance(getattr(block.attn, "norm", nn.Identity()), nn.Identity)
         or not isinstance(getattr(block.mlp, "norm", nn.Identity()), nn.Identity),
@@ -85,6 +86,7 @@ def timm_state_dict_to_vit(state_dict: dict[str, torch.Tensor], cfg: ViTConfig) 
     mapped = Mapped(state_dict, _RULES)
     mapped.concat("prefix_tokens", ["cls_token", "dist_token", "reg_token"])
     mapped.reshape("pos_embed", -1, cfg.embed_dim)
+    mapped.fold_layer_scale(cfg.depth)
     return mapped.check(cfg, "timm VisionTransformer")
 
 

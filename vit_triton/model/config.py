@@ -42,6 +42,7 @@ class ViTConfig:
     pool: str = "token"
     num_classes: int = 0
     head_dist: bool = False
+    proj_dim: int = 0
 
     def __post_init__(self) -> None:
         if self.image_size % self.patch_size:
@@ -63,10 +64,18 @@ class ViTConfig:
         if self.head_dist and not (self.dist_token and self.num_classes and self.pool == "token"
                                    and not self.fc_norm):
             raise ValueError("head_dist needs dist_token=True, num_classes > 0, pool 'token' and no fc_norm")
+        if self.proj_dim and self.num_classes:
+            raise ValueError(f"a model has a classifier or an embedding projection, not both: got num_classes "
+                             f"{self.num_classes} and proj_dim {self.proj_dim}")
 
     @property
     def head_dim(self) -> int:
         return self.embed_dim // self.num_heads
+
+    @property
+    def embedding_dim(self) -> int:
+        """Width of the image embedding (ViT.embedding): the projection's, else the tokens'."""
+        return self.proj_dim or self.embed_dim
 
     @property
     def num_patches(self) -> int:

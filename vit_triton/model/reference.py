@@ -57,4 +57,6 @@ def reference_forward(cfg: ViTConfig, params: dict[str, torch.Tensor], pixels: t
         x = F.layer_norm(x, (d,), p["fc_norm.weight"], p["fc_norm.bias"], eps)
     if cfg.num_classes:
         x = F.linear(x, p["head.weight"], p["head.bias"])
+    if cfg.proj_dim:
+        x = F.linear(x, p["proj.weight"])
     return x

@@ -105,6 +105,7 @@ class ViT(nn.Module):
         self.fc_norm = LayerNorm(d, cfg.norm_eps, **factory) if cfg.fc_norm else None
         self.head = Linear(d, cfg.num_classes, **factory) if cfg.num_classes else None
         self.head_dist = Linear(d, cfg.num_classes, **factory) if cfg.head_dist else None
+        self.proj = Linear(d, cfg.proj_dim, bias=False, **factory) if cfg.proj_dim else None
         if cfg.depth:   # the final norm adds the last fc2's sum, if there is one
             self.blocks[-1].defer_fc2 = self.norm is not None
 
@@ -144,10 +145,11 @@ class ViT(nn.Module):
         return x.view(batch, num_tokens, d)
 
     def forward_head(self, features: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        """Pool (class token or patch mean), fc_norm, then the classifier unless pre_logits."""
+        """Pool (class token or patch mean), fc_norm, then the classifier or the projection unless pre_logits."""
         if features.shape[0] == 0:
-            heads = self.head is not None and not pre_logits
-            return features.new_empty(0, self.config.num_classes if heads else features.shape[-1])
+            out = self.head if self.head is not None else self.proj
+            width = out.weight.shape[0] if out is not None and not pre_logits else features.shape[-1]
+            return features.new_empty(0, width)
         if self.head_dist is not None:
             # DeiT distilled: class and distillation token each have a classifier; both are averaged.
             if pre_logits:
@@ -159,10 +161,16 @@ class ViT(nn.Module):
             pooled = token_mean(features, self.config.num_prefix_tokens)
         if self.fc_norm is not None:
             pooled = self.fc_norm(pooled)
-        if pre_logits or self.head is None:
+        out = self.head if self.head is not None else self.proj
+        if pre_logits or out is None:
             return pooled
-        return self.head(pooled)
+        return out(pooled)
+
+    def embedding(self, features: torch.Tensor) -> torch.Tensor:
+        """The image embedding of forward_features' tokens: the projection's output where the model has one, else
+        the pooled features (a classifier's input)."""
+        return self.forward_head(features, pre_logits=self.head is not None)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        """Logits [B, num_classes] when the model has a head, else the pooled embedding [B, D]."""
+        """Logits [B, num_classes] when the model has a classifier, else the image embedding (embedding())."""
         return self.forward_head(self.forward_features(pixels))

@@ -109,7 +109,7 @@ def embed_images(model, images: list, *, batch_size: int = 32, normalize: bool =
     pre = preprocess or Preprocess.for_model(model)
     mode = "L" if pre.channels == 1 else "RGB"
     outputs = embedding_fn(model, pre, normalize, False, torch.float32)
-    rows = [torch.empty(0, model.config.embed_dim)]
+    rows = [torch.empty(0, model.config.embedding_dim)]
     with torch.inference_mode():
         for start in range(0, len(images), batch_size):
             pixels = torch.stack([pre.resize_crop(_decoded(x, mode)) for x in images[start:start + batch_size]])
@@ -132,7 +132,7 @@ def embedding_fn(model, pre: Preprocess, normalize: bool, tokens: bool, output_d
 
     def outputs(pixels: torch.Tensor) -> tuple[torch.Tensor, ...]:
         features = model.forward_features(pre.normalize(pixels))
-        pooled = model.forward_head(features, pre_logits=True).float()
+        pooled = model.embedding(features).float()
         if normalize:
             pooled = F.normalize(pooled, dim=-1)
         return (pooled.to(output_dtype),) + ((features.to(output_dtype),) if tokens else ())
@@ -316,7 +316,7 @@ def _run(model, pre: Preprocess, inputs: list[str], chunks: dict[int, range], st
     writer = ChunkWriter(store, chunks)
     out_dtype = OUTPUT_DTYPES[opts.output_dtype]
     cfg = model.config
-    empty = [torch.empty(0, cfg.embed_dim, dtype=out_dtype)]
+    empty = [torch.empty(0, cfg.embedding_dim, dtype=out_dtype)]
     if opts.tokens:
         empty.append(torch.empty(0, cfg.num_tokens, cfg.embed_dim, dtype=out_dtype))
     total = sum(len(r) for r in chunks.values())
