@@ -172,7 +172,8 @@ TIMM_VARIANTS = {
 
 
 @pytest.mark.parametrize("variant, dtype", [(v, torch.float32) for v in TIMM_VARIANTS]
-                         + [(v, torch.bfloat16) for v in list(TIMM_VARIANTS)[:2] + ["layer-scale-registers-no_embed_class"]])
+                         + [(v, torch.bfloat16) for v in list(TIMM_VARIANTS)[:2]
+                            + ["layer-scale-registers-no_embed_class"]])
 def test_from_timm_matches_timm(variant, dtype):
     def run(m, px):
         f = m.forward_features(px)
@@ -230,7 +231,8 @@ def test_unsupported_modules():
         from_timm(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="ViTForImageClassification, DeiTModel, .*, got Linear"):
         from_hf(torch.nn.Linear(2, 2))
-    with pytest.raises(ValueError, match="unsupported HuggingFace model_type 'swin'; supported: 'clip_vision_model', 'deit', "):
+    with pytest.raises(ValueError, match="unsupported HuggingFace model_type 'swin'; supported: "
+                                         "'clip_vision_model', 'deit', "):
         hf_config_to_vit({"model_type": "swin"})
     with pytest.raises(ValueError, match="unsupported hidden_act 'relu'; supported: gelu, "):
         hf_config_to_vit({**transformers.ViTConfig(**TINY_HF).to_dict(), "hidden_act": "relu"})

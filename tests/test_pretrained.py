@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.checkpoints import family_outputs, hf_model, save_hf, save_timm, timm_model
-from tests.numerics import DEVICE, assert_close
+from tests.numerics import DEVICE, assert_close, randomize_
 from vit_triton import from_hf, from_pretrained, from_timm
 from vit_triton.loaders import CheckpointNotFound, read_checkpoint, timm_config_to_vit
 
@@ -123,6 +123,47 @@ def test_timm_checkpoint_matches_timm(case, tmp_path):
     assert ours.checkpoint.library == "timm" and ours.checkpoint.architecture == name
     assert ours.checkpoint.preprocessing["input_size"] == [3, 32, 32]
     _check(ours, ref, _timm_outputs)
+
+
+OPEN_CLIP_CASES = {
+    "openai-quickgelu-bin": (dict(quick_gelu=True), "open_clip_pytorch_model.bin"),
+    "layer-scale-avg-final-ln-after-pool": (dict(vision_cfg=dict(ls_init_value=0.5, pool_type="avg",
+                                                                 final_ln_after_pool=True)),
+                                            "open_clip_model.safetensors"),
+}
+
+
+@pytest.mark.parametrize("case", OPEN_CLIP_CASES)
+def test_open_clip_checkpoint_matches_open_clip(case, tmp_path):
+    import open_clip
+    from safetensors.torch import save_file
+
+    kw, weights = OPEN_CLIP_CASES[case]
+    model_cfg = dict(embed_dim=40, quick_gelu=kw.get("quick_gelu", False),
+                     vision_cfg=dict(image_size=24, patch_size=8, width=64, head_width=32, layers=2, mlp_ratio=1.5,
+                                     **kw.get("vision_cfg", {})),
+                     text_cfg=dict(context_length=8, vocab_size=50, width=32, heads=2, layers=1))
+    ref = randomize_(open_clip.CLIP(**model_cfg)).eval()
+    ref.visual.output_tokens = True
+    preprocess_cfg = dict(mean=[0.48, 0.45, 0.41], std=[0.27, 0.26, 0.28])
+    (tmp_path / "open_clip_config.json").write_text(json.dumps(dict(model_cfg=model_cfg,
+                                                                    preprocess_cfg=preprocess_cfg)))
+    sd = ref.state_dict()
+    save_file(sd, tmp_path / weights) if weights.endswith(".safetensors") else torch.save(sd, tmp_path / weights)
+    ours = from_pretrained(tmp_path, device=DEVICE, dtype=torch.float32)
+    assert ours.checkpoint.library == "open_clip" and ours.checkpoint.preprocessing == preprocess_cfg
+    assert ours.config.embedding_dim == 40 and ours.config.pre_norm and not ours.config.patch_bias
+
+    def ours_outputs(pixels):   # as OpenCLIP's visual(): the image embedding, and the patch tokens
+        features = ours.forward_features(pixels)
+        return ours.forward_head(features), features[:, 1:]
+
+    ref64 = copy.deepcopy(ref).double()
+    pixels = torch.randn(2, 3, 24, 24)
+    with torch.no_grad():
+        want, got = ref64.visual(pixels.double()), ours_outputs(pixels.to(DEVICE))
+    for g, w in zip(got, want):
+        assert_close(g, w.to(DEVICE), torch.float32)
 
 
 def test_from_timm_takes_a_distilled_deit():

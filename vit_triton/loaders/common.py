@@ -11,6 +11,15 @@ import torch
 from ..model import ViT, ViTConfig
 
 
+def square(size: int | list | tuple, name: str) -> int:
+    """A config's image or patch size as one side: an int, or a [height, width] pair of equal sides."""
+    if isinstance(size, int):
+        return size
+    if len(size) == 2 and size[0] == size[1]:
+        return size[0]
+    raise ValueError(f"unsupported {name} {size!r}; supported: square (an int or two equal sides)")
+
+
 def rename(keys: Iterable[str], rules: list[tuple[str, str]]) -> dict[str, str]:
     """{source key: our key} for each key that a (regex, replacement) rule matches in full."""
     mapping = {}
@@ -102,6 +111,11 @@ class Mapped:
         """tensors[key] renamed to new_key (a checkpoint layer that plays another of our roles)."""
         if key in self.tensors:
             self.tensors[new_key], self.origin[new_key] = self.tensors.pop(key), self.origin.pop(key)
+
+    def transpose(self, key: str) -> None:
+        """tensors[key] as its transpose (a matrix stored as x @ W rather than nn.Linear's x @ W^T)."""
+        if key in self.tensors:
+            self.tensors[key] = self.tensors[key].t()
 
     def reshape(self, key: str, *shape: int) -> None:
         if key in self.tensors:

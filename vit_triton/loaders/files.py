@@ -18,6 +18,10 @@ import torch
 # In the order they are looked for: safetensors first (no pickle, memory-mapped).
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
+# OpenCLIP's layout, tried where transformers' or timm's is absent.
+OPEN_CLIP_CONFIG, OPEN_CLIP_WEIGHT_FILES = "open_clip_config.json", ("open_clip_model.safetensors",
+                                                                     "open_clip_pytorch_model.bin")
+LAYOUTS = (("config.json", WEIGHT_FILES), (OPEN_CLIP_CONFIG, OPEN_CLIP_WEIGHT_FILES))
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pth", ".pt")
 
 
@@ -28,40 +32,45 @@ class CheckpointNotFound(FileNotFoundError):
 @dataclass(frozen=True)
 class CheckpointFiles:
     source: str                      # what the user named
-    config: Path                     # config.json
+    config: Path                     # config.json, or open_clip_config.json
     weights: tuple[Path, ...]        # one file, or the shards of an index
     preprocessor: Path | None        # preprocessor_config.json (transformers), if there is one
 
 
 def find_checkpoint(name_or_path: str | os.PathLike) -> CheckpointFiles:
-    """A local directory (config.json + weights), a local weights file (config.json beside it),
-    or a hub id ("google/vit-base-patch16-224", "timm/vit_base_patch16_224.augreg_in1k", optionally
+    """A local directory (config.json + weights, or OpenCLIP's open_clip_config.json + its weights), a local
+    weights file (its config beside it), or a hub id ("google/vit-base-patch16-224",
+    "timm/vit_base_patch16_224.augreg_in1k", optionally
     prefixed "hf-hub:"), downloaded into the HuggingFace cache or read from it."""
     source = str(name_or_path)
     path = Path(source).expanduser()
     if path.is_dir():
-        return _local(source, path, _first_present(path, source))
+        return _local(source, path, *_first_present(path, source))
     if path.is_file():
         if not path.name.endswith(WEIGHT_SUFFIXES + (".index.json",)):
             raise CheckpointNotFound(f"{source} is a file but not a weights file (expected one ending in "
                                      f"{', '.join(WEIGHT_SUFFIXES)} or .index.json)")
-        return _local(source, path.parent, path)
+        config = OPEN_CLIP_CONFIG if path.name.startswith("open_clip_") else "config.json"
+        return _local(source, path.parent, config, path)
     if source.startswith((".", "/", "~")) or source.count("/") > 1:
         raise CheckpointNotFound(f"no such file or directory: {source}")
     return _hub(source.removeprefix("hf-hub:"))
 
 
-def _first_present(directory: Path, source: str) -> Path:
-    for name in WEIGHT_FILES:
-        if (directory / name).is_file():
-            return directory / name
-    raise CheckpointNotFound(f"{source}: no weights in the directory; expected one of {', '.join(WEIGHT_FILES)}")
+def _first_present(directory: Path, source: str) -> tuple[str, Path]:
+    """(the config's name, the weights) of the first layout whose weights the directory holds."""
+    for config, weights in LAYOUTS:
+        for name in weights:
+            if (directory / name).is_file():
+                return config, directory / name
+    names = [name for _, weights in LAYOUTS for name in weights]
+    raise CheckpointNotFound(f"{source}: no weights in the directory; expected one of {', '.join(names)}")
 
 
-def _local(source: str, directory: Path, weights: Path) -> CheckpointFiles:
-    config = directory / "config.json"
+def _local(source: str, directory: Path, config_name: str, weights: Path) -> CheckpointFiles:
+    config = directory / config_name
     if not config.is_file():
-        raise CheckpointNotFound(f"{source}: no config.json in {directory}")
+        raise CheckpointNotFound(f"{source}: no {config_name} in {directory}")
     shards = tuple(directory / name for name in _shard_names(weights)) if weights.name.endswith(".index.json") \
         else (weights,)
     missing = [str(s) for s in shards if not s.is_file()]
@@ -108,16 +117,15 @@ def _hub(repo_id: str) -> CheckpointFiles:
         except EntryNotFoundError:
             return None
 
-    config = download("config.json")
-    if config is None:
-        raise CheckpointNotFound(f"{repo_id}: the repository has no config.json")
-    for name in WEIGHT_FILES:
-        weights = download(name)
+    for config_name, weight_files in LAYOUTS:
+        config = download(config_name)
+        weights = next((w for w in map(download, weight_files) if w is not None), None) if config else None
         if weights is not None:
             break
     else:
-        raise CheckpointNotFound(f"{repo_id}: the repository (or the cache, offline) has none of "
-                                 f"{', '.join(WEIGHT_FILES)}")
+        raise CheckpointNotFound(f"{repo_id}: the repository (or the cache, offline) has no config.json with one of "
+                                 f"{', '.join(WEIGHT_FILES)}, nor {OPEN_CLIP_CONFIG} with one of "
+                                 f"{', '.join(OPEN_CLIP_WEIGHT_FILES)}")
     if weights.name.endswith(".index.json"):
         shards = tuple(download(name) for name in _shard_names(weights))
         if None in shards:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..model import ViT, ViTConfig
-from .common import Mapped, build
+from .common import Mapped, build, square
 
 _ACTIVATIONS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
                 "quick_gelu": "quick_gelu"}
@@ -63,16 +63,6 @@ _UNUSED = [(r"(?:vit\.|deit\.|dinov2\.|vision_model\.)?(?:pooler\.dense\.(?:weig
            (r"(?:(?:text_model\.|decoder\.).*|text_projection\.weight|logit_scale)", "")]
 
 
-def _square(config: dict, key: str) -> int:
-    """config[key] as one side: an int, or a [height, width] pair of equal sides."""
-    size = config[key]
-    if isinstance(size, int):
-        return size
-    if len(size) == 2 and size[0] == size[1]:
-        return size[0]
-    raise ValueError(f"unsupported {key} {size!r}; supported: square (an int or two equal sides)")
-
-
 def vision_config(config: dict) -> dict:
     """The vision encoder's part of a config.json: a CLIPModel's vision_config (with the projection's width),
     else the config itself."""
@@ -82,7 +72,8 @@ def vision_config(config: dict) -> dict:
     return config
 
 
-def hf_config_to_vit(config: dict, num_classes: int = 0, head_dist: bool = False, projection: bool = False) -> ViTConfig:
+def hf_config_to_vit(config: dict, num_classes: int = 0, head_dist: bool = False,
+                     projection: bool = False) -> ViTConfig:
     """ViTConfig from a transformers config (config.json as a dict; a CLIPModel's is read through its
     vision_config); the head size, whether there is a distillation head (DeiTForImageClassificationWithTeacher)
     and whether the image embedding is projected (CLIP with projection) are separate."""
@@ -100,7 +91,7 @@ def hf_config_to_vit(config: dict, num_classes: int = 0, head_dist: bool = False
         raise ValueError("unsupported use_swiglu_ffn=True (DINOv2's SwiGLU MLP, ViT-g/14)")
     d = config["hidden_size"]
     return ViTConfig(
-        image_size=_square(config, "image_size"), patch_size=_square(config, "patch_size"),
+        image_size=square(config["image_size"], "image_size"), patch_size=square(config["patch_size"], "patch_size"),
         in_chans=config.get("num_channels", 3), embed_dim=d, depth=config["num_hidden_layers"],
         num_heads=config["num_attention_heads"],
         mlp_dim=int(d * config.get("mlp_ratio", 4)) if dinov2 else config["intermediate_size"],

@@ -4,7 +4,8 @@ The config and the weights are read directly (loaders/files.py); transformers an
 needed nor imported, and no reference model is built. A transformers checkpoint (config.json with a
 "model_type") maps through loaders/hf.py; a timm one (config.json with an "architecture") through
 loaders/timm.py, its ViTConfig read from the tensors' shapes, as timm's config.json records only the
-arguments that differ from the architecture's defaults.
+arguments that differ from the architecture's defaults; an OpenCLIP one (open_clip_config.json) through
+loaders/open_clip.py.
 """
 
 from __future__ import annotations
@@ -17,14 +18,15 @@ import torch
 
 from ..model import ViT, ViTConfig
 from .common import build
-from .files import CheckpointNotFound, find_checkpoint, read_json, read_weights
+from .files import OPEN_CLIP_CONFIG, CheckpointNotFound, find_checkpoint, read_json, read_weights
+from .open_clip import open_clip_config_to_vit, open_clip_state_dict_to_vit
 from .hf import ARCHITECTURES, HF_ARCHITECTURES, hf_architecture_to_vit, hf_num_classes
 from .timm import timm_state_dict_to_vit
 
 __all__ = ["CheckpointInfo", "CheckpointNotFound", "SUPPORTED", "from_pretrained", "read_checkpoint"]
 
 TIMM_ARCHITECTURES = "timm VisionTransformer and VisionTransformerDistilled (vit_*, deit_*, deit3_*)"
-SUPPORTED = f"transformers {', '.join(HF_ARCHITECTURES)}; {TIMM_ARCHITECTURES}"
+SUPPORTED = f"transformers {', '.join(HF_ARCHITECTURES)}; {TIMM_ARCHITECTURES}; OpenCLIP ViT towers"
 
 
 @dataclass(frozen=True)
@@ -32,10 +34,11 @@ class CheckpointInfo:
     """What a checkpoint says besides its weights; from_pretrained sets it as `model.checkpoint`."""
 
     source: str                 # the directory, file or hub id it was read from
-    library: str                # "transformers" or "timm"
+    library: str                # "transformers", "timm" or "open_clip"
     architecture: str           # e.g. "ViTForImageClassification", "vit_base_patch16_224"
     id2label: dict[int, str]    # class index -> name; empty without a classifier
-    preprocessing: dict         # preprocessor_config.json (transformers) or pretrained_cfg (timm); {} if none
+    preprocessing: dict         # preprocessor_config.json (transformers), pretrained_cfg (timm) or
+                                # preprocess_cfg (OpenCLIP); {} if none
 
 
 def read_checkpoint(name_or_path: str | os.PathLike) -> tuple[ViTConfig, dict[str, torch.Tensor], CheckpointInfo]:
@@ -48,6 +51,11 @@ def read_checkpoint(name_or_path: str | os.PathLike) -> tuple[ViTConfig, dict[st
     files = find_checkpoint(name_or_path)
     config = read_json(files.config)
     state_dict = read_weights(files.weights)
+    if files.config.name == OPEN_CLIP_CONFIG:
+        cfg = open_clip_config_to_vit(config)
+        return cfg, open_clip_state_dict_to_vit(state_dict, cfg), CheckpointInfo(
+            files.source, "open_clip", "VisionTransformer", {},
+            config.get("preprocess_cfg") or {})
     if "architecture" in config:
         return _timm(files.source, config, state_dict)
     preprocessing = read_json(files.preprocessor) if files.preprocessor else {}
@@ -62,8 +70,9 @@ def from_pretrained(name_or_path: str | os.PathLike, *, device: torch.device | s
     name_or_path: a HuggingFace hub id ("google/vit-base-patch16-224", "facebook/deit-base-distilled-
     patch16-224", "timm/vit_base_patch16_224.augreg2_in21k_ft_in1k"), fetched through huggingface_hub
     and its cache; or a local directory in the same layout (config.json, model.safetensors or
-    pytorch_model.bin, sharded with an index or not, preprocessor_config.json for transformers); or a
-    local weights file with the config.json beside it. device: default CUDA if there is one, else CPU
+    pytorch_model.bin, sharded with an index or not, preprocessor_config.json for transformers; or
+    OpenCLIP's open_clip_config.json with open_clip_model.safetensors or open_clip_pytorch_model.bin); or a
+    local weights file with its config beside it. device: default CUDA if there is one, else CPU
     (which needs TRITON_INTERPRET=1 to run).
     """
     cfg, state_dict, info = read_checkpoint(name_or_path)

@@ -1,0 +1,84 @@
+"""OpenCLIP checkpoints (open_clip_config.json with open_clip_model.safetensors or open_clip_pytorch_model.bin)
+-> vit-triton: the vision tower and its projection; the text tower is not read.
+
+OpenCLIP's VisionTransformer keys: conv1 (no bias) -> patch_embed, class_embedding [D] and positional_embedding
+[T, D] -> prefix_tokens and pos_embed, ln_pre -> norm_pre, transformer.resblocks.N.{ln_1, attn.in_proj (q, k
+and v already one matrix), attn.out_proj, ln_2, mlp.c_fc, mlp.c_proj} -> blocks.N.{norm1, qkv, proj, norm2, fc1,
+fc2}, LayerScale ls_1/ls_2 folded into the layer before it, ln_post -> norm (fc_norm with
+final_ln_after_pool), proj [D, E] (x @ proj) -> proj.weight [E, D].
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..model import ViTConfig
+from .common import Mapped, square
+
+_BLOCK = r"visual\.transformer\.resblocks\.(\d+)\."
+_RULES = [
+    (r"visual\.conv1\.weight", "patch_embed.weight"),
+    (r"visual\.class_embedding", "cls_token"),
+    (r"visual\.positional_embedding", "pos_embed"),
+    (r"visual\.ln_pre\.(weight|bias)", r"norm_pre.\1"),
+    (_BLOCK + r"ln_1\.(weight|bias)", r"blocks.\1.norm1.\2"),
+    (_BLOCK + r"attn\.in_proj_(weight|bias)", r"blocks.\1.qkv.\2"),
+    (_BLOCK + r"attn\.out_proj\.(weight|bias)", r"blocks.\1.proj.\2"),
+    (_BLOCK + r"ln_2\.(weight|bias)", r"blocks.\1.norm2.\2"),
+    (_BLOCK + r"mlp\.c_fc\.(weight|bias)", r"blocks.\1.fc1.\2"),
+    (_BLOCK + r"mlp\.c_proj\.(weight|bias)", r"blocks.\1.fc2.\2"),
+    (_BLOCK + r"ls_([12])\.gamma", r"blocks.\1.ls\2"),
+    (r"visual\.ln_post\.(weight|bias)", r"norm.\1"),
+    (r"visual\.proj", "proj.weight"),
+]
+_UNUSED = [(r"(?!visual\.).*", "")]   # the text tower, logit_scale and logit_bias
+_POOLS = {"tok": "token", "avg": "avg"}
+# vision_cfg entries whose non-default values change the tower into something we do not run
+_UNSUPPORTED = {
+    "timm_model_name": "a timm trunk (timm_model_name)", "attentional_pool": "attentional pooling",
+    "qk_norm": "qk_norm", "scaled_cosine_attn": "scaled cosine attention", "scale_heads": "scale_heads",
+    "scale_attn_inner": "scale_attn_inner", "scale_attn": "scale_attn", "scale_fc": "scale_fc",
+    "act_kwargs": "act_kwargs",
+}
+
+
+def open_clip_config_to_vit(config: dict) -> ViTConfig:
+    """ViTConfig of the vision tower of an OpenCLIP model (open_clip_config.json as a dict, its "model_cfg"
+    holding embed_dim, vision_cfg and quick_gelu)."""
+    model_cfg = config.get("model_cfg", config)
+    vision = model_cfg.get("vision_cfg") or {}
+    found = [what for key, what in _UNSUPPORTED.items() if vision.get(key)]
+    if vision.get("block_type") not in (None, "default"):
+        found.append(f"block_type {vision['block_type']!r}")
+    if isinstance(vision.get("layers", 12), (list, tuple)):
+        found.append("a ResNet tower (layers as a list)")
+    pool = vision.get("pool_type", "tok")
+    if pool not in _POOLS:
+        found.append(f"pool_type {pool!r} (supported: {', '.join(_POOLS)})")
+    if found:
+        raise ValueError(f"unsupported OpenCLIP vision tower: {'; '.join(found)}")
+    width = vision.get("width", 768)
+    final_ln_after_pool = bool(vision.get("final_ln_after_pool"))
+    return ViTConfig(
+        image_size=square(vision.get("image_size", 224), "image_size"),
+        patch_size=square(vision.get("patch_size", 16), "patch_size"), embed_dim=width, depth=vision.get("layers", 12),
+        num_heads=width // vision.get("head_width", 64), mlp_dim=int(width * vision.get("mlp_ratio", 4.0)),
+        norm_eps=(vision.get("norm_kwargs") or {}).get("eps", 1e-5),
+        act="quick_gelu" if model_cfg.get("quick_gelu") else "gelu",
+        patch_bias=False, pre_norm=not vision.get("no_ln_pre"), fc_norm=final_ln_after_pool,
+        pool=_POOLS[pool], proj_dim=model_cfg.get("embed_dim", 512),
+    )
+
+
+def open_clip_state_dict_to_vit(state_dict: dict[str, torch.Tensor], cfg: ViTConfig) -> dict[str, torch.Tensor]:
+    """Our state dict from an OpenCLIP one (the vision tower's keys); raises listing every mismatch by the
+    checkpoint's own key names."""
+    mapped = Mapped(state_dict, _RULES, _UNUSED)
+    mapped.reshape("cls_token", 1, -1)
+    mapped.transpose("proj.weight")
+    mapped.fold_layer_scale(cfg.depth)
+    if cfg.fc_norm:
+        for name in ("weight", "bias"):
+            mapped.move(f"norm.{name}", f"fc_norm.{name}")
+    mapped.move("cls_token", "prefix_tokens")
+    return mapped.check(cfg, "OpenCLIP")
