@@ -243,3 +243,23 @@ def test_float32_tolerance_follows_the_matmul_precision():
             tolerance(torch.float32, None)
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+@on_the_cpu
+@pytest.mark.parametrize("timm_name, hf_class", [("vit_small_patch14_reg4_dinov2", "Dinov2WithRegistersModel"),
+                                                 ("vit_base_patch16_clip_224", "CLIPVisionModel")])
+def test_families_are_checked_against_their_transformers_model(timm_name, hf_class):
+    """A timm architecture as bench --model builds it: transformers' model of the same family is the reference,
+    and the timm architecture itself the timm peer."""
+    import timm
+
+    from vit_triton.loaders import timm_config_to_vit
+
+    module = timm.create_model(timm_name, pretrained=False, img_size=28, patch_size=14, embed_dim=64, num_heads=2,
+                               depth=1, num_classes=0)
+    cfg = timm_config_to_vit(module)
+    built, reference, ours = build_systems(cfg, torch.float32, CPU, ("vit-triton", "hf", "timm"), module)
+    assert type(reference).__name__ == hf_class and {s.name for s in built} == {"vit-triton", "hf", "timm"}
+    assert next(s for s in built if s.name == "timm").run.__class__ is type(module)
+    check = harness.check_correctness(reference, ours, cfg, torch.float32, CPU, batch=2)
+    assert check["ok"], check

@@ -58,8 +58,11 @@ def _parser() -> argparse.ArgumentParser:
                     "the correctness part only (tiny model, Triton interpreter).",
     )
     bench.add_argument("--model", default="vit_base_patch16_224",
-                       help="model shape (timm name): vit_small_patch16_224, vit_base_patch16_224, "
-                            "vit_large_patch16_224, vit_large_patch14_clip_336 (default: %(default)s)")
+                       help="model shape: vit_small_patch16_224, vit_base_patch16_224, vit_large_patch16_224, "
+                            "vit_large_patch14_clip_336, or any timm architecture that from_timm converts (e.g. "
+                            "vit_large_patch14_reg4_dinov2), built with random weights (default: %(default)s)")
+    bench.add_argument("--image-size", type=positive_int, default=None,
+                       help="input size in pixels, square, for a timm architecture (default: the architecture's)")
     bench.add_argument("--batch-sizes", type=batch_sizes, default="1,8,32,128,256",
                        help="comma-separated positive integers (default: %(default)s)")
     bench.add_argument("--dtype", default="bf16", choices=sorted(DTYPES) + ["tf32"],
@@ -180,10 +183,7 @@ def _bench(args: argparse.Namespace) -> int:
     on_gpu = _interpret_without_cuda(None)
     from pathlib import Path
 
-    from .model import PRESETS
-
-    if args.model not in PRESETS:
-        args.usage_error(f"unknown model {args.model!r}; expected one of {', '.join(PRESETS)}")
+    cfg, timm_module = _bench_model(args)
     batch_sizes = sorted(set(args.batch_sizes))
     if args.dtype == "tf32":
         torch.set_float32_matmul_precision("high")
@@ -201,16 +201,46 @@ def _bench(args: argparse.Namespace) -> int:
         return _bench_without_gpu(dtype)
     from .bench import harness, power, roofline
 
-    cfg, device, out = PRESETS[args.model], torch.device("cuda"), Path(args.out) / args.model / args.dtype
+    name = args.model + (f"_{args.image_size}" if args.image_size else "")
+    device, out = torch.device("cuda"), Path(args.out) / name / args.dtype
     board = power.Board(device) if args.energy else None   # a missing NVML fails before anything runs
     if args.kernels:
-        _, _, ours = systems.build_systems(cfg, dtype, device, ("vit-triton",))
-        roofline.run_roofline(args.model, cfg, batch_sizes[-1], dtype, device, ours, out, board=board)
+        _, _, ours = systems.build_systems(cfg, dtype, device, ("vit-triton",), timm_module)
+        roofline.run_roofline(name, cfg, batch_sizes[-1], dtype, device, ours, out, board=board)
     else:
-        print(harness.format_table(harness.run_bench(args.model, cfg, batch_sizes, dtype, device, out, names,
-                                                     board=board)))
+        print(harness.format_table(harness.run_bench(name, cfg, batch_sizes, dtype, device, out, names,
+                                                     board=board, timm_module=timm_module)))
     print(f"results under {out}/")
     return 0
+
+
+def _bench_model(args: argparse.Namespace):
+    """(ViTConfig, timm module or None) of bench's --model: a preset shape (at --image-size), or a timm
+    architecture built with random weights."""
+    import dataclasses
+
+    from .model import PRESETS
+
+    if args.model in PRESETS:
+        try:
+            return dataclasses.replace(PRESETS[args.model], image_size=args.image_size or PRESETS[args.model].image_size), None
+        except ValueError as e:
+            args.usage_error(f"--image-size {args.image_size}: {e}")
+    try:
+        import timm
+    except ImportError:
+        args.usage_error(f"unknown model {args.model!r}; expected one of {', '.join(PRESETS)} (or, with timm "
+                         f"installed, a timm architecture)")
+    if not timm.is_model(args.model):
+        args.usage_error(f"unknown model {args.model!r}; expected one of {', '.join(PRESETS)} or a timm architecture")
+    from .loaders import timm_config_to_vit
+
+    module = timm.create_model(args.model, pretrained=False, **({"img_size": args.image_size} if args.image_size
+                                                                else {}))
+    try:
+        return timm_config_to_vit(module), module
+    except ValueError as e:
+        args.usage_error(f"--model {args.model}: {e}")
 
 
 def _bench_without_gpu(dtype) -> int:

@@ -105,7 +105,8 @@ def _time_system(run, pixels: torch.Tensor, timer: Timer, board: Board | None = 
 
 def run_bench(model_name: str, cfg: ViTConfig, batch_sizes: Sequence[int], dtype: torch.dtype,
               device: torch.device, out_dir: Path | None = None, systems: Sequence[str] = SYSTEMS,
-              timer: Timer = do_bench_median, log: Callable[[str], None] = print, board: Board | None = None) -> dict:
+              timer: Timer = do_bench_median, log: Callable[[str], None] = print, board: Board | None = None,
+              timm_module: torch.nn.Module | None = None) -> dict:
     """Time every system at every batch size (and with a board, read its energy over a sustained run of each);
     write bench.json (after each batch size) and a plot."""
     result = dict(model=model_name, config=cfg.to_dict(), dtype=str(dtype).removeprefix("torch."),
@@ -118,7 +119,7 @@ def run_bench(model_name: str, cfg: ViTConfig, batch_sizes: Sequence[int], dtype
         result["power_limit_w"] = board.power_limit_w
     log(f"ceilings: {result['ceilings']['matmul_tflops']:.0f} TFLOP/s matmul, "
         f"{result['ceilings']['copy_gbps']:.0f} GB/s copy")
-    built, reference, ours = build_systems(cfg, dtype, device, tuple(systems))
+    built, reference, ours = build_systems(cfg, dtype, device, tuple(systems), timm_module)
     result["skipped"] = {s.name: s.note for s in built if s.run is None}
     # At the smallest batch timed: where the model takes its small-batch paths (split-K GEMMs).
     result["check"] = check_correctness(reference, ours, cfg, dtype, device, batch=min(batch_sizes))

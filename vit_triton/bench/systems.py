@@ -1,10 +1,12 @@
 """The systems `vit-triton bench` times: vit-triton and its peers, built on one model shape.
 
 vit-triton (eager, and replayed as CUDA graphs by runtime.CUDAGraphRunner) takes the HF model's
-weights (from_hf), so its output is checked against HF before
-any timing; timm and torch.compile(timm) run timm's own random weights of the same shape (speed
-does not depend on the values). For the CLIP tower, which has no transformers ViT equivalent,
-vit-triton takes timm's weights instead. A peer whose package is missing is skipped with a note.
+weights (from_hf), so its output is checked against HF before any timing; timm and torch.compile(timm)
+run timm's own random weights of the same shape (speed does not depend on the values). The HF model is
+transformers' ViT, DINOv2 with registers or CLIP vision tower, whichever expresses the shape; where none
+does, vit-triton takes timm's weights instead. The timm model is a VisionTransformer built from the
+shape, or a timm architecture itself (bench --model with a timm name). A peer whose package is missing is
+skipped with a note.
 """
 
 from __future__ import annotations
@@ -32,19 +34,32 @@ class System:
     note: str = ""
 
 
-def hf_config(cfg: ViTConfig):
-    """The transformers ViTConfig of `cfg`, or None where transformers' ViT cannot express it."""
-    from transformers import ViTConfig as HFConfig
+def hf_model(cfg: ViTConfig) -> torch.nn.Module | None:
+    """transformers' model of `cfg`'s shape (random weights, sdpa attention): ViT, DINOv2 with registers or CLIP's
+    vision tower, or None where none of them expresses it."""
+    import transformers
 
     act = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "quick_gelu": "quick_gelu"}[cfg.act]
-    plain = (cfg.class_token and cfg.num_prefix_tokens == 1 and cfg.pos_embed_prefix and cfg.patch_bias
-             and not cfg.pre_norm and cfg.final_norm and not cfg.fc_norm and cfg.pool == "token")
-    if not plain:
+    shape = dict(image_size=cfg.image_size, patch_size=cfg.patch_size, num_channels=cfg.in_chans,
+                 hidden_size=cfg.embed_dim, num_hidden_layers=cfg.depth, num_attention_heads=cfg.num_heads,
+                 layer_norm_eps=cfg.norm_eps, hidden_act=act, attn_implementation="sdpa")
+    one_token = cfg.class_token and not cfg.dist_token and cfg.pool == "token" and not cfg.proj_dim
+    if not one_token:
         return None
-    return HFConfig(image_size=cfg.image_size, patch_size=cfg.patch_size, num_channels=cfg.in_chans,
-                    hidden_size=cfg.embed_dim, num_hidden_layers=cfg.depth, num_attention_heads=cfg.num_heads,
-                    intermediate_size=cfg.mlp_dim, qkv_bias=cfg.qkv_bias, layer_norm_eps=cfg.norm_eps,
-                    hidden_act=act, num_labels=max(cfg.num_classes, 1), attn_implementation="sdpa")
+    if not cfg.reg_tokens and cfg.pos_embed_prefix and cfg.patch_bias and not cfg.pre_norm and cfg.final_norm \
+            and not cfg.fc_norm:
+        config = transformers.ViTConfig(**shape, intermediate_size=cfg.mlp_dim, qkv_bias=cfg.qkv_bias,
+                                        num_labels=max(cfg.num_classes, 1))
+        cls = transformers.ViTForImageClassification if cfg.num_classes else transformers.ViTModel
+        return cls(config, add_pooling_layer=False) if cls is transformers.ViTModel else cls(config)
+    if cfg.reg_tokens and not cfg.pos_embed_prefix and cfg.patch_bias and not cfg.pre_norm and cfg.final_norm \
+            and not cfg.num_classes and cfg.mlp_dim % cfg.embed_dim == 0:
+        return transformers.Dinov2WithRegistersModel(transformers.Dinov2WithRegistersConfig(
+            **shape, mlp_ratio=cfg.mlp_dim // cfg.embed_dim, qkv_bias=cfg.qkv_bias, num_register_tokens=cfg.reg_tokens))
+    if not cfg.reg_tokens and cfg.pos_embed_prefix and not cfg.patch_bias and cfg.pre_norm and cfg.final_norm \
+            and cfg.qkv_bias and not cfg.num_classes:
+        return transformers.CLIPVisionModel(transformers.CLIPVisionConfig(**shape, intermediate_size=cfg.mlp_dim))
+    return None
 
 
 def timm_model(cfg: ViTConfig) -> torch.nn.Module:
@@ -68,31 +83,29 @@ def _perturbed(module: torch.nn.Module, dtype: torch.dtype, device: torch.device
     return randomize_(module).to(device=device, dtype=dtype).eval()
 
 
-def build_systems(cfg: ViTConfig, dtype: torch.dtype, device: torch.device,
-                  names: tuple[str, ...] = SYSTEMS) -> tuple[list[System], torch.nn.Module, torch.nn.Module]:
+def build_systems(cfg: ViTConfig, dtype: torch.dtype, device: torch.device, names: tuple[str, ...] = SYSTEMS,
+                  timm_module: torch.nn.Module | None = None) -> tuple[list[System], torch.nn.Module, torch.nn.Module]:
     """The systems to time, and (reference module, vit-triton model) for the correctness check.
 
-    The reference is HF's model when it can express the config, else timm's.
+    The reference is HF's model when it can express the config, else timm's: `timm_module` (a timm
+    architecture that cfg describes) or a VisionTransformer of cfg's shape.
     """
     from .. import from_hf, from_timm
 
     systems: list[System] = []
     hf = timm_ref = None
     try:
-        hf_cfg = hf_config(cfg)
-        if hf_cfg is None:
-            systems.append(System("hf", None, "no transformers ViT of this shape"))
+        hf = hf_model(cfg)
+        if hf is None:
+            systems.append(System("hf", None, "no transformers model of this shape"))
         else:
-            from transformers import ViTForImageClassification, ViTModel
-
-            cls = ViTForImageClassification if cfg.num_classes else ViTModel
-            hf = _perturbed(cls(hf_cfg), dtype, device)
+            hf = _perturbed(hf, dtype, device)
             systems.append(System("hf", lambda px: _hf_output(hf, px)))
     except ImportError:
         systems.append(System("hf", None, "transformers is not installed"))
     try:
         if hf is None or any(n.startswith("timm") for n in names):
-            timm_ref = _perturbed(timm_model(cfg), dtype, device)
+            timm_ref = _perturbed(timm_module if timm_module is not None else timm_model(cfg), dtype, device)
             systems.append(System("timm", timm_ref))
             systems.append(System("timm:exact-fp32", _exact_fp32(timm_ref)) if dtype == torch.float32 else
                            System("timm:exact-fp32", None, "float32 runs only"))
@@ -143,9 +156,12 @@ def allow_recompiles(limit: int = 64) -> None:
 
 
 def _hf_output(model: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
-    """Logits, or the class token of last_hidden_state for a headless ViTModel (our pooled output)."""
+    """Logits, else the pooled output (DINOv2's normalized class token, CLIP's post-normed one; a ViTModel built
+    without its pooler: the class token), which is our forward's output."""
     out = model(pixels)
-    return out.logits if hasattr(out, "logits") else out.last_hidden_state[:, 0]
+    if hasattr(out, "logits"):
+        return out.logits
+    return out.pooler_output if out.pooler_output is not None else out.last_hidden_state[:, 0]
 
 
 def reference_output(reference: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
