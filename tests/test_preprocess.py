@@ -23,6 +23,10 @@ HF_PROCESSORS = {
                                                                crop_size={"height": 32, "width": 31})),
     "vit-nearest-no-rescale": ("ViTImageProcessor", dict(size={"height": 24, "width": 24}, resample=0,
                                                          do_rescale=False)),
+    "clip": ("CLIPImageProcessor", dict(size={"shortest_edge": 36}, crop_size={"height": 36, "width": 36})),
+    "bit-dinov2": ("BitImageProcessor", dict(size={"shortest_edge": 40}, crop_size={"height": 35, "width": 35},
+                                             **IMAGENET)),
+    "siglip": ("SiglipImageProcessor", dict(size={"height": 38, "width": 38})),
 }
 
 
@@ -62,6 +66,21 @@ def test_equal_to_timm_eval_transform(case):
     for seed, (h, w) in enumerate(SIZES + [(25, 25)]):
         img = image(seed, h, w)
         assert torch.equal(ours(img), theirs(img)), f"{case} {h}x{w}"
+
+
+@pytest.mark.parametrize("preprocess_cfg", [dict(), dict(mean=(0.5,) * 3, std=(0.5,) * 3, interpolation="bilinear"),
+                                            dict(resize_mode="squash")])
+def test_equal_to_open_clip_eval_transform(preprocess_cfg):
+    import open_clip
+
+    size = 32
+    theirs = open_clip.image_transform(size, is_train=False, **preprocess_cfg)
+    ours = Preprocess.from_open_clip(preprocess_cfg, size)
+    for seed, (h, w) in enumerate(SIZES):
+        img = image(seed, h, w)
+        want, got = theirs(img), ours(img)
+        assert got.shape == want.shape == (3, size, size)
+        assert torch.equal(got, want), f"{preprocess_cfg} {h}x{w}: max difference {(got - want).abs().max()}"
 
 
 def test_normalize_on_a_uint8_batch_equals_per_image():
@@ -104,8 +123,8 @@ def test_preprocessing_for_another_size_is_an_error(tmp_path):
 
 
 @pytest.mark.parametrize("config, match", [
-    ({"image_processor_type": "CLIPImageProcessor"}, r"unsupported image processor 'CLIPImageProcessor'; "
-                                                      r"supported: ViTImageProcessor, DeiTImageProcessor"),
+    ({"image_processor_type": "ConvNextImageProcessor"}, r"unsupported image processor 'ConvNextImageProcessor'; "
+                                                          r"supported: ViTImageProcessor, DeiTImageProcessor, CLIP"),
     ({"resample": 1}, r"unsupported resample 1 .*supported: 0 \(nearest\), 2 \(bilinear\), 3 \(bicubic\)"),
     ({"size": {"shortest_edge": 40}}, "must give a fixed image size"),
     ({"size": {"longest_edge": 40}}, "unsupported image processor size"),

@@ -1,14 +1,15 @@
 """A checkpoint's own preprocessing, reproduced operation for operation so that the pixels are equal.
 
-Two conventions, as the two libraries implement them:
+Two conventions, as the libraries implement them:
 
-- transformers (ViTImageProcessor, DeiTImageProcessor, with the torchvision backend that
+- transformers (ViT, DeiT, CLIP, BiT (DINOv2's) and SigLIP image processors, with the torchvision backend that
   AutoImageProcessor picks in transformers 5): the uint8 image is resized by torch's antialiased
   `interpolate` (in uint8 where torchvision does so, else in float32 then rounded), center-cropped
   with the offset rounded down, and normalized as (x - mean/rescale) / (std/rescale) in float32.
 - timm (`create_transform(**resolve_data_config(...))`, the eval transform): Pillow resizes the
   shorter side to floor(size / crop_pct) (crop_mode "center") or both sides ("squash"), the center
-  crop offset is rounded to nearest, then (x / 255 - mean) / std in float32.
+  crop offset is rounded to nearest, then (x / 255 - mean) / std in float32. OpenCLIP's eval transform
+  is the same torchvision pipeline (its preprocess_cfg: the shorter side to the image size, or "squash").
 
 The work is split where it is cheapest to move: `resize_crop` (PIL image -> uint8 [C, H, W]) runs in
 the DataLoader workers, and `normalize` (uint8 [..., C, H, W] -> float32) on the device, so a quarter
@@ -32,6 +33,8 @@ IMAGENET_DEFAULT_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_DEFAULT_STD = (0.229, 0.224, 0.225)
 IMAGENET_STANDARD_MEAN = (0.5, 0.5, 0.5)
 IMAGENET_STANDARD_STD = (0.5, 0.5, 0.5)
+OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 CONVENTIONS = ("transformers", "timm")
 _PIL_FILTERS = {
@@ -47,7 +50,16 @@ _HF_PROCESSORS = {
                               do_center_crop=False, crop_size=None),
     "DeiTImageProcessor": dict(do_resize=True, size={"height": 256, "width": 256}, resample=3,
                                do_center_crop=True, crop_size={"height": 224, "width": 224}),
+    **{name: dict(do_resize=True, size={"shortest_edge": 224}, resample=3, do_center_crop=True,
+                  crop_size={"height": 224, "width": 224}, image_mean=OPENAI_CLIP_MEAN, image_std=OPENAI_CLIP_STD)
+       for name in ("CLIPImageProcessor", "BitImageProcessor")},
+    "SiglipImageProcessor": dict(do_resize=True, size={"height": 224, "width": 224}, resample=3,
+                                 do_center_crop=False, crop_size=None),
 }
+# The processor a transformers architecture gets without a preprocessor_config.json, by name prefix.
+_HF_DEFAULT_PROCESSORS = {"DeiT": "DeiTImageProcessor", "CLIP": "CLIPImageProcessor", "Dinov2": "BitImageProcessor",
+                          "Siglip": "SiglipImageProcessor"}
+OPEN_CLIP_RESIZE_MODES = ("shortest", "squash")
 _HF_COMMON = dict(do_rescale=True, rescale_factor=1 / 255, do_normalize=True,
                   image_mean=IMAGENET_STANDARD_MEAN, image_std=IMAGENET_STANDARD_STD)
 TIMM_CROP_MODES = ("center", "squash")
@@ -97,9 +109,10 @@ class Preprocess:
     @classmethod
     def from_hf(cls, processor_config: dict, architecture: str = "ViTModel",
                 image_size: int | None = None) -> Preprocess:
-        """From preprocessor_config.json; an empty dict gives the processor's defaults at `image_size`
-        (ViTImageProcessor, or DeiTImageProcessor for a DeiT architecture)."""
-        default = "DeiTImageProcessor" if architecture.startswith("DeiT") else "ViTImageProcessor"
+        """From preprocessor_config.json; an empty dict gives the defaults, at `image_size`, of the architecture's
+        processor (_HF_DEFAULT_PROCESSORS; ViTImageProcessor for the rest)."""
+        default = next((p for prefix, p in _HF_DEFAULT_PROCESSORS.items() if architecture.startswith(prefix)),
+                       "ViTImageProcessor")
         kind = processor_config.get("image_processor_type") or processor_config.get("feature_extractor_type") or default
         name = kind.replace("FeatureExtractor", "ImageProcessor").removesuffix("Fast").removesuffix("Pil")
         if name not in _HF_PROCESSORS:
@@ -147,6 +160,26 @@ class Preprocess:
         )
 
     @classmethod
+    def from_open_clip(cls, preprocess_cfg: dict, image_size: int) -> Preprocess:
+        """From OpenCLIP's preprocess_cfg (open_clip_config.json), as open_clip.image_transform builds its eval
+        transform: the shorter side resized to image_size and a center crop ("shortest"), or both sides
+        ("squash"); then (x / 255 - mean) / std."""
+        mode = preprocess_cfg.get("resize_mode") or "shortest"
+        interpolation = preprocess_cfg.get("interpolation") or "bicubic"
+        if mode not in OPEN_CLIP_RESIZE_MODES or interpolation not in ("bicubic", "bilinear"):
+            raise ValueError(f"unsupported OpenCLIP resize_mode {mode!r} or interpolation {interpolation!r}; "
+                             f"supported: {', '.join(OPEN_CLIP_RESIZE_MODES)}, and bicubic or bilinear")
+        return cls(
+            convention="timm",
+            resize=image_size if mode == "shortest" else (image_size, image_size),
+            resample=interpolation,
+            crop=(image_size, image_size) if mode == "shortest" else None,
+            rescale=1 / 255,
+            mean=tuple(preprocess_cfg.get("mean") or OPENAI_CLIP_MEAN),
+            std=tuple(preprocess_cfg.get("std") or OPENAI_CLIP_STD),
+        )
+
+    @classmethod
     def for_model(cls, model: torch.nn.Module) -> Preprocess:
         """The preprocessing of the checkpoint a model was loaded from by vit_triton.from_pretrained."""
         info = getattr(model, "checkpoint", None)
@@ -156,6 +189,8 @@ class Preprocess:
         size = model.config.image_size
         if info.library == "timm":
             pre = cls.from_timm(info.preprocessing, size)
+        elif info.library == "open_clip":
+            pre = cls.from_open_clip(info.preprocessing, size)
         else:
             pre = cls.from_hf(info.preprocessing, info.architecture, size)
         if pre.size != (size, size):
