@@ -41,6 +41,8 @@ CASES = {
                                                      False)),
     "fused_attention": (ops._fused_attention, lambda: (*_qkv(2, 19, 3, 16), None, False, False)),
     "fused_attention-scale": (ops._fused_attention, lambda: (*_qkv(1, 5, 2, 32), 0.3, False, False)),
+    "fused_attention-pool": (ops._fused_attention, lambda: (_r(1, 1, 3, 16).expand(2, -1, -1, -1),   # Tq = 1, Tk = 19
+                                                            *_r(2, 19, 2, 3, 16).unbind(2), None, False, False)),
     "fused_attention-tf32": (ops._fused_attention, lambda: (*[t.float() for t in _qkv(2, 7, 2, 16)], None, True,
                                                             True)),
     "patch_embed": (ops._patch_embed, lambda: (_r(2, 3, 16, 24, dtype=torch.float32), _r(32, 3, 8, 8), _r(32),

@@ -77,6 +77,7 @@ def _fused_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None, tf32_
 
 @_fused_attention.register_fake
 def _(q, k, v, scale, tf32_input, tf32_output):
+    # [B, Tq, H, Dh] contiguous, whatever q's strides (a query expanded over the batch has batch stride 0)
     return q.new_empty(q.shape)
 
 
@@ -138,7 +139,7 @@ def add_layer_norm(x: Tensor, parts: Tensor, weight: Tensor, bias: Tensor, eps: 
 
 def fused_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None, tf32_input: bool = False,
                     tf32_output: bool = False) -> Tensor:
-    """kernels.fused_attention: softmax(q k^T * scale) v for q, k, v [B, T, H, Dh]."""
+    """kernels.fused_attention: softmax(q k^T * scale) v for q [B, Tq, H, Dh] and k, v [B, Tk, H, Dh]."""
     if torch.compiler.is_compiling():
         return _fused_attention(q, k, v, scale, tf32_input, tf32_output)
     return kernels.fused_attention(q, k, v, scale=scale, tf32_input=tf32_input, tf32_output=tf32_output)

@@ -31,6 +31,14 @@ def qkv(batch, tokens, heads, head_dim, dtype, strided=True, qk_scale=1.0):
     return x.to(dtype).unbind(axis)
 
 
+def pool_qkv(batch, queries, tokens, heads, head_dim, dtype, expanded):
+    """An attention-pool head's q [B, Tq, H, Dh] and k, v [B, Tk, H, Dh]: k and v views of one
+    [B, Tk, 2, H, Dh] tensor (the kv GEMM's output); q one set of queries expanded over the batch (batch
+    stride 0) if expanded, else B of them."""
+    q = rand(1 if expanded else batch, queries, heads, head_dim, dtype=dtype).expand(batch, -1, -1, -1)
+    return q, *rand(batch, tokens, 2, heads, head_dim, dtype=dtype).unbind(2)
+
+
 def attend(q, k, v, scale=None):
     check(fused_attention(q, k, v, scale=scale), torch_attention(scale), q, k, v)
 
@@ -65,6 +73,35 @@ def test_shapes(batch, tokens, heads, head_dim, dtype, path, monkeypatch):
     attend(*qkv(batch, tokens, heads, head_dim, dtype))
 
 
+# Attention pooling: Tq queries, Tk keys, in every pairing with the head dims of the pooled families
+# (72: SigLIP SO400M), dtypes and batch x heads cycling as in SHAPES; q expanded over the batch in every
+# other case.
+QUERIES_KEYS = [(1, 37), (3, 50), (1, 197), (3, 257)]
+POOL_HEAD_DIMS = [64, 72, 80]
+POOL_SHAPES = [(1 + (i + j) % 2 * 2, tq, tk, 3 - (i + j) % 2, d, DTYPES[(i + j) % 3], bool((i + j) % 2), path)
+               for i, (tq, tk) in enumerate(QUERIES_KEYS) for j, d in enumerate(POOL_HEAD_DIMS)
+               for path in ("streaming", "one pass")[:1 if tk > ATTENTION.ONE_PASS_MAX_T else 2]]
+
+
+@pytest.mark.parametrize("batch, queries, tokens, heads, head_dim, dtype, expanded, path", POOL_SHAPES,
+                         ids=[f"B{b}-Tq{tq}-Tk{tk}-H{h}-Dh{d}-{str(dt)[6:]}{'-expanded' if e else ''}-{p}"
+                              for b, tq, tk, h, d, dt, e, p in POOL_SHAPES])
+def test_query_length_differs(batch, queries, tokens, heads, head_dim, dtype, expanded, path, monkeypatch):
+    use_path(monkeypatch, path)
+    q, k, v = pool_qkv(batch, queries, tokens, heads, head_dim, dtype, expanded)
+    buffer = nan_filled(batch, queries, 2, heads, head_dim, dtype=dtype)   # out: queries 2*H*Dh apart
+    out = buffer[:, :, 0]
+    assert_written_in_place(fused_attention(q, k, v, out=out), out, buffer)
+    check(out, torch_attention(), q, k, v)
+
+
+@each_dtype
+@pytest.mark.usefixtures("path")
+def test_head_dim_72(dtype):
+    # SigLIP SO400M's blocks: 16 heads of 72
+    attend(*qkv(3, 37, 2, 72, dtype))
+
+
 @each_dtype
 @pytest.mark.parametrize("tokens, head_dim", [(37, 80), (197, 64)])
 @pytest.mark.usefixtures("path")
@@ -84,18 +121,31 @@ def test_one_pass_key_pieces(tokens, pieces):
     assert ATTENTION.key_pieces(tokens) == pieces
 
 
-def test_one_pass_only_for_short_launches(monkeypatch):
-    # One pass where T <= 256 and the launch is at most ONE_PASS_WAVES programs an SM (here 4 SMs and
-    # 32-row blocks, on any device: 8 programs); otherwise the tuned streaming kernel runs.
+@pytest.fixture
+def tuned(monkeypatch):
+    """(keys, heads, queries) of each launch of the tuned streaming kernel. One pass runs where at most
+    ONE_PASS_WAVES programs an SM: here 4 SMs and 32-row query blocks, on any device, so 8 programs."""
     monkeypatch.setattr(ATTENTION, "sm_count", lambda device: 4)
     monkeypatch.setattr(ATTENTION, "ONE_PASS_BLOCK_M", 32)
-    tuned = []
+    launches = []
     run = ATTENTION._attention_kernel.run
     monkeypatch.setattr(ATTENTION._attention_kernel, "run",
-                        lambda *args, **kwargs: tuned.append(args[4:6]) or run(*args, **kwargs))   # (T, H)
+                        lambda *args, **kwargs: launches.append((args[4], args[5], args[7])) or run(*args, **kwargs))
+    return launches
+
+
+def test_one_pass_only_for_short_launches(tuned):
+    # One pass where T <= 256 and the launch is at most 8 programs; otherwise the tuned streaming kernel runs.
     for batch, tokens, heads in [(2, 17, 4), (3, 17, 3), (1, 257, 1), (1, 40, 4)]:   # 8, 9, 9 and 8 programs
         attend(*qkv(batch, tokens, heads, 32, torch.bfloat16))
-    assert tuned == [(17, 3), (257, 1)]
+    assert tuned == [(17, 3, 17), (257, 1, 257)]
+
+
+def test_one_pass_decided_by_key_length(tuned):
+    # The key length bounds the scores a one-pass program holds; the query length sets the programs.
+    for batch, queries, tokens in [(8, 1, 200), (9, 1, 17), (1, 1, 257), (4, 64, 17)]:   # 8, 9, 1 and 8 programs
+        attend(*pool_qkv(batch, queries, tokens, 1, 32, torch.bfloat16, expanded=True))
+    assert tuned == [(17, 1, 1), (257, 1, 1)]
 
 
 def test_tuned_per_batch_class(monkeypatch):
@@ -141,6 +191,10 @@ def test_every_element_is_written_in_place(dtype):
 @pytest.mark.parametrize("change, message", [
     (dict(q=empty(5, 2, 32)), "q must be 4-D [B, T, H, Dh], got shape (5, 2, 32)"),
     (dict(k=empty(2, 4, 2, 32)), "k must have shape (2, 5, 2, 32), got (2, 4, 2, 32)"),
+    (dict(k=empty(2, 4, 2, 32), v=empty(2, 4, 2, 32), out=empty(2, 4, 2, 32)),
+     "out must have shape (2, 5, 2, 32), got (2, 4, 2, 32)"),
+    (dict(k=empty(1, 4, 2, 32), v=empty(1, 4, 2, 32)), "k must have shape (2, 4, 2, 32), got (1, 4, 2, 32)"),
+    (dict(v=empty(2, 5, 64)), "v must be 4-D [B, T, H, Dh], got shape (2, 5, 64)"),
     (dict(v=empty(2, 5, 2, 32, dtype=torch.float16)), "v must be torch.float32, got torch.float16"),
     (dict(q=empty(2, 5, 2, 32, dtype=torch.bfloat16)), "k must be torch.bfloat16, got torch.float32"),
     (dict(q=empty(2, 5, 2, 32, dtype=torch.float64)), "q must be float32, float16 or bfloat16, got torch.float64"),

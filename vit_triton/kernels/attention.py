@@ -1,25 +1,28 @@
 """Fused multi-head attention: o = softmax(q k^T * scale) v, per batch and head, unmasked.
 
-Layouts: q, k, v [B, T, H, Dh], any batch/token/head strides and unit stride along Dh, so they
-are read straight out of the QKV GEMM's [B*T, 3*H*Dh] output (qkv.view(B, T, 3, H, Dh)[:, :, i]).
-o [B, T, H, Dh] contiguous, which is the [B*T, H*Dh] row-major input of the out-projection.
+Layouts: q [B, Tq, H, Dh], k and v [B, Tk, H, Dh], any batch/token/head strides (0 too: one learned
+query expanded over the batch) and unit stride along Dh, so they are read straight out of the QKV
+GEMM's [B*T, 3*H*Dh] output (qkv.view(B, T, 3, H, Dh)[:, :, i]). o [B, Tq, H, Dh] contiguous, which is
+the [B*Tq, H*Dh] row-major input of the out-projection. In a transformer block Tq = Tk = T; an
+attention-pool head attends from a few learned queries (Tq = 1) to all tokens.
 
 One launch covers all batches and heads. Each program owns one query block of one head; a head's
 blocks are neighbours in launch order, so they run together and read that head's K and V from HBM
 once, from L2 after, and the last heads launch first (the QKV GEMM wrote them last: still in L2).
 A program streams K and V in BLOCK_N tiles and keeps a running max and sum (online softmax, base 2
-with the scale folded into log2(e)), so the T x T scores never leave on-chip memory. Only the last keys are
+with the scale folded into log2(e)), so the Tq x Tk scores never leave on-chip memory. Only the last keys are
 masked, in blocks of 16, so a sequence of 197 costs 208 keys of work, not 256. Head dims that are not a
 power of two (80, 96) are padded to one in registers by masked loads.
 
-One pass (sequences up to 256, launches of at most two waves): a program takes all of its head's keys
+One pass (up to 256 keys, launches of at most two waves): a program takes all of its head's keys
 at once, in up to three power-of-two pieces (197: 128 + 64 + 16), and holds every score of its query
 block, so the softmax is one max, one exponential and one sum a score with no rescaling in between.
 Its loads are not pipelined and it needs about twice the registers, 1.5-1.8x slower than streaming
 where the launch is many waves deep; where the GPU is latency-bound (ViT-B/16, 1-5 images) its one
 dependent chain (scores, max, exponentials, P V) instead of one a key block wins in the forward.
 
-Cost: 4*B*H*T*T*Dh FLOPs (two GEMMs) + B*H*T*T exponentials; at least 4*B*T*H*Dh elements moved.
+Cost: 4*B*H*Tq*Tk*Dh FLOPs (two GEMMs) + B*H*Tq*Tk exponentials; at least 2*B*(Tq + Tk)*H*Dh elements
+moved (q, k, v read, o written; a query expanded over the batch is read once).
 """
 
 from __future__ import annotations
@@ -121,12 +124,12 @@ def _attend_once(q, k_base, v_base, T, sk_t, sv_t, qk_scale, offs_d, mask_d, acc
         ],
         triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=4, num_stages=1),
     ),
-    key=["T", "HEAD_DIM", "INPUT_PRECISION", "QKV_TF32", "batch_heads"],
+    key=["T_Q", "T_K", "HEAD_DIM", "INPUT_PRECISION", "QKV_TF32", "batch_heads"],
 )
 @triton.jit(do_not_specialize=["batch_heads"])
 def _attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr,
-    T, H, batch_heads, qk_scale,   # batch_heads: B*H rounded up to a power of two, only a tuning key
+    T_K, H, batch_heads, T_Q, qk_scale,   # keys, queries; batch_heads: B*H rounded up to a power of two, a tuning key
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, PDL: tl.constexpr,
     QKV_TF32: tl.constexpr, O_TF32: tl.constexpr,   # q, k, v hold tf32 values already; o stored rounded to tf32
@@ -137,7 +140,7 @@ def _attention_kernel(
     # Program i owns query block p % q_blocks of head p // q_blocks, p = programs - 1 - i: a head's query
     # blocks run side by side, so its K and V come from HBM once and from L2 for the other blocks; and the
     # last heads go first, as the QKV GEMM wrote them last and at large batch they are the ones still in L2.
-    q_blocks = tl.cdiv(T, BLOCK_M)
+    q_blocks = tl.cdiv(T_Q, BLOCK_M)
     pid = tl.num_programs(0) - 1 - tl.program_id(0)
     bh = pid // q_blocks
     b = (bh // H).to(tl.int64)
@@ -147,7 +150,7 @@ def _attention_kernel(
     mask_d = offs_d < HEAD_DIM
 
     q_ptrs = q_ptr + b * sq_b + h * sq_h + offs_m[:, None] * sq_t + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=(offs_m < T)[:, None] & mask_d[None, :], other=0.0)
+    q = tl.load(q_ptrs, mask=(offs_m < T_Q)[:, None] & mask_d[None, :], other=0.0)
     k_base = k_ptr + b * sk_b + h * sk_h
     v_base = v_ptr + b * sv_b + h * sv_h
 
@@ -155,17 +158,17 @@ def _attention_kernel(
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     if KEYS0 > 0:
-        acc, l_i = _attend_once(q, k_base, v_base, T, sk_t, sv_t, qk_scale, offs_d, mask_d, acc,
+        acc, l_i = _attend_once(q, k_base, v_base, T_K, sk_t, sv_t, qk_scale, offs_d, mask_d, acc,
                                 INPUT_PRECISION, QKV_TF32, KEYS0, KEYS1, KEYS2)
     else:
-        # Whole key blocks without masks, then the last T % BLOCK_N keys in blocks of TAIL_N: at 197
+        # Whole key blocks without masks, then the last T_K % BLOCK_N keys in blocks of TAIL_N: at 197
         # tokens, 3 x 64 + 16 keys are multiplied instead of 4 x 64.
-        whole = T - T % BLOCK_N
+        whole = T_K - T_K % BLOCK_N
         for start in range(0, whole, BLOCK_N):
-            acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_base, v_base, start, T, sk_t, sv_t, qk_scale, offs_d,
+            acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_base, v_base, start, T_K, sk_t, sv_t, qk_scale, offs_d,
                                     mask_d, INPUT_PRECISION, QKV_TF32, BLOCK_N, False)
-        for start in range(whole, T, TAIL_N):
-            acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_base, v_base, start, T, sk_t, sv_t, qk_scale, offs_d,
+        for start in range(whole, T_K, TAIL_N):
+            acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_base, v_base, start, T_K, sk_t, sv_t, qk_scale, offs_d,
                                     mask_d, INPUT_PRECISION, QKV_TF32, TAIL_N, True)
 
     start_next_kernel(PDL)
@@ -173,7 +176,7 @@ def _attention_kernel(
     if O_TF32:
         o = to_tf32(o)
     o_ptrs = o_ptr + b * so_b + h * so_h + offs_m[:, None] * so_t + offs_d[None, :]
-    tl.store(o_ptrs, cast(o, o_ptr.dtype.element_ty), mask=(offs_m < T)[:, None] & mask_d[None, :])
+    tl.store(o_ptrs, cast(o, o_ptr.dtype.element_ty), mask=(offs_m < T_Q)[:, None] & mask_d[None, :])
 
 
 def fused_attention(
@@ -187,26 +190,29 @@ def fused_attention(
     tf32_output: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """softmax(q @ k^T * scale) @ v for q, k, v [B, T, H, Dh]; returns [B, T, H, Dh] contiguous.
+    """softmax(q @ k^T * scale) @ v for q [B, Tq, H, Dh] and k, v [B, Tk, H, Dh]; returns [B, Tq, H, Dh]
+    contiguous. q may be one query expanded over the batch (batch stride 0).
 
     scale (positive) defaults to Dh ** -0.5. Head dims from 16 to 256 are accepted. tf32_input (q, k and
     v), tf32_output: see tf32.py; they act only where the matmuls run on tf32.
     """
     check_device(q, k, v, out)
     check_float("q", q)
-    if q.dim() != 4:
-        raise ValueError(f"q must be 4-D [B, T, H, Dh], got shape {tuple(q.shape)}")
-    B, T, H, Dh = q.shape
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [B, T, H, Dh], got shape {tuple(t.shape)}")
+    (B, Tq, H, Dh), Tk = q.shape, v.shape[1]
     if not 16 <= Dh <= 256:
         raise ValueError(f"head dim must be between 16 and 256, got {Dh}")
-    for name, t in (("k", k), ("v", v)) + ((("out", out),) if out is not None else ()):
-        check_shape(name, t, (B, T, H, Dh))
-        check_dtype(name, t, q.dtype)
+    for name, t, tokens in (("k", k, Tk), ("v", v, Tk), ("out", out, Tq)):
+        if t is not None:
+            check_shape(name, t, (B, tokens, H, Dh))
+            check_dtype(name, t, q.dtype)
     for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
         if t is not None and t.stride(3) != 1:
             raise ValueError(f"{name} must have unit stride along the head dim, got strides {t.stride()}")
     if out is None:
-        out = torch.empty((B, T, H, Dh), device=q.device, dtype=q.dtype)
+        out = torch.empty((B, Tq, H, Dh), device=q.device, dtype=q.dtype)
     scale = Dh ** -0.5 if scale is None else scale
     precision = input_precision(q.dtype, allow_tf32)
     if not scale > 0:
@@ -214,29 +220,30 @@ def fused_attention(
 
     # The best tile depends on how many programs fill the GPU (one image: 64-row tiles, every SM
     # busy; 256 images: 128-row tiles, at 0.75x the time of 64-row ones), so the tuner keys on B*H's
-    # power of two as well as on the sequence. A short launch takes the one-pass path untuned.
-    programs = B * H * triton.cdiv(T, ONE_PASS_BLOCK_M)
-    if T <= ONE_PASS_MAX_T and programs <= ONE_PASS_WAVES * sm_count(q.device):
+    # power of two as well as on the sequences. A short launch over at most ONE_PASS_MAX_T keys takes the
+    # one-pass path untuned.
+    programs = B * H * triton.cdiv(Tq, ONE_PASS_BLOCK_M)
+    if Tk <= ONE_PASS_MAX_T and programs <= ONE_PASS_WAVES * sm_count(q.device):
         kernel = _attention_kernel.fn
-        launch = dict(zip(("KEYS0", "KEYS1", "KEYS2"), key_pieces(T)), BLOCK_M=ONE_PASS_BLOCK_M, BLOCK_N=TAIL_N,
+        launch = dict(zip(("KEYS0", "KEYS1", "KEYS2"), key_pieces(Tk)), BLOCK_M=ONE_PASS_BLOCK_M, BLOCK_N=TAIL_N,
                       num_warps=ONE_PASS_WARPS, num_stages=1)
     else:
         kernel, launch = _attention_kernel, dict(KEYS0=0, KEYS1=0, KEYS2=0)
 
     def grid(meta):
         # One axis, which allows 2^31 - 1 programs (axis 1 allows 65535).
-        return (B * H * triton.cdiv(T, meta["BLOCK_M"]),)
+        return (B * H * triton.cdiv(Tq, meta["BLOCK_M"]),)
 
     kernel[grid](
         q, k, v, out,
-        T, H, triton.next_power_of_2(B * H), scale * LOG2E,
+        Tk, H, triton.next_power_of_2(B * H), Tq, scale * LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         HEAD_DIM=Dh, BLOCK_D=max(16, triton.next_power_of_2(Dh)),
         INPUT_PRECISION=precision, QKV_TF32=precision == "tf32" and tf32_input,
-        O_TF32=precision == "tf32" and tf32_output, **pdl(q.device, B * H * triton.cdiv(T, SMALLEST_BLOCK_M)),
+        O_TF32=precision == "tf32" and tf32_output, **pdl(q.device, B * H * triton.cdiv(Tq, SMALLEST_BLOCK_M)),
         **launch,
     )
     return out

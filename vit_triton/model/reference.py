@@ -60,3 +60,21 @@ def reference_forward(cfg: ViTConfig, params: dict[str, torch.Tensor], pixels: t
     if cfg.proj_dim:
         x = F.linear(x, p["proj.weight"])
     return x
+
+
+def attention_pool_reference(params: dict[str, torch.Tensor], prefix: str, x: torch.Tensor, num_heads: int,
+                             eps: float, act: str) -> torch.Tensor:
+    """An attention-pool head (model.attention_pool.AttentionPool, whose parameters are params[prefix + name]) on
+    tokens x [B, T, D], as timm's AttentionPoolLatent computes it: every latent query attends to the tokens, then
+    proj, then + mlp(norm); returns latent 0's output [B, D]."""
+    p = prefix
+    batch, tokens, d = x.shape
+    q = F.linear(params[p + "latent"], params[p + "q.weight"], params.get(p + "q.bias"))
+    q = q.view(1, -1, num_heads, d // num_heads).transpose(1, 2).expand(batch, -1, -1, -1)
+    kv = F.linear(x, params[p + "kv.weight"], params.get(p + "kv.bias"))
+    k, v = kv.view(batch, tokens, 2, num_heads, d // num_heads).permute(2, 0, 3, 1, 4)
+    a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(batch, -1, d)
+    x = F.linear(a, params[p + "proj.weight"], params[p + "proj.bias"])
+    h = F.layer_norm(x, (d,), params[p + "norm.weight"], params[p + "norm.bias"], eps)
+    h = activation(F.linear(h, params[p + "mlp.fc1.weight"], params[p + "mlp.fc1.bias"]), act)
+    return (x + F.linear(h, params[p + "mlp.fc2.weight"], params[p + "mlp.fc2.bias"]))[:, 0]
