@@ -19,12 +19,12 @@ TINY_TIMM = dict(img_size=32, patch_size=8, depth=2)
 
 
 def hf_model(cls_name: str, seed: int = 0, **kw) -> torch.nn.Module:
-    """A randomized transformers model of TINY_HF's shape (a CLIPModel: its vision tower's, with a small text
-    tower), in eval mode."""
+    """A randomized transformers model of TINY_HF's shape (a CLIPModel or SiglipModel: its vision tower's, with a
+    small text tower), in eval mode."""
     import transformers
 
     cls = getattr(transformers, cls_name)
-    if cls is transformers.CLIPModel:
+    if cls in (transformers.CLIPModel, transformers.SiglipModel):
         text = dict(hidden_size=32, intermediate_size=40, num_hidden_layers=1, num_attention_heads=2)
         config = cls.config_class(vision_config=TINY_HF, text_config=text, **kw)
     else:
@@ -33,7 +33,7 @@ def hf_model(cls_name: str, seed: int = 0, **kw) -> torch.nn.Module:
 
 
 def family_outputs(model, pixels):
-    """A transformers DINOv2, CLIP or ViT-MAE encoder's last_hidden_state, the image embedding its library
+    """A transformers DINOv2, CLIP, SigLIP or ViT-MAE encoder's last_hidden_state, the image embedding its library
     defines, and the pooled features before a projection."""
     import transformers
 
@@ -45,7 +45,7 @@ def family_outputs(model, pixels):
     if isinstance(model, (transformers.CLIPModel, transformers.CLIPVisionModelWithProjection)):
         out = model.vision_model(pixels)
         return out.last_hidden_state, model.visual_projection(out.pooler_output), out.pooler_output
-    out = model(pixels)
+    out = model.vision_model(pixels) if isinstance(model, transformers.SiglipModel) else model(pixels)
     return out.last_hidden_state, out.pooler_output, out.pooler_output
 
 

@@ -247,7 +247,8 @@ def test_float32_tolerance_follows_the_matmul_precision():
 
 @on_the_cpu
 @pytest.mark.parametrize("timm_name, hf_class", [("vit_small_patch14_reg4_dinov2", "Dinov2WithRegistersModel"),
-                                                 ("vit_base_patch16_clip_224", "CLIPVisionModel")])
+                                                 ("vit_base_patch16_clip_224", "CLIPVisionModel"),
+                                                 ("vit_so400m_patch14_siglip_224", "SiglipVisionModel")])
 def test_families_are_checked_against_their_transformers_model(timm_name, hf_class):
     """A timm architecture as bench --model builds it: transformers' model of the same family is the reference,
     and the timm architecture itself the timm peer."""

@@ -75,18 +75,21 @@ FAMILIES = {
     "clip-model": (transformers.CLIPModel, transformers.CLIPConfig, dict(projection_dim=40, text_config=dict(
         hidden_size=32, intermediate_size=40, num_hidden_layers=1, num_attention_heads=2))),
     "vit-mae": (transformers.ViTMAEModel, transformers.ViTMAEConfig, dict(intermediate_size=96, mask_ratio=0.0)),
+    "siglip": (transformers.SiglipVisionModel, transformers.SiglipVisionConfig, dict(intermediate_size=96)),
+    "siglip-model": (transformers.SiglipModel, transformers.SiglipConfig, dict(text_config=dict(
+        hidden_size=32, intermediate_size=40, num_hidden_layers=1, num_attention_heads=2))),
 }
 
 
 def _family_model(family: str) -> torch.nn.Module:
     cls, config_cls, kw = FAMILIES[family]
-    if config_cls is transformers.CLIPConfig:
+    if config_cls in (transformers.CLIPConfig, transformers.SiglipConfig):
         return cls(config_cls(vision_config=dict(TINY_VISION, intermediate_size=96), **kw))
     return cls(config_cls(**TINY_VISION, **kw))
 
 
 @pytest.mark.parametrize("family, dtype", [(f, torch.float32) for f in FAMILIES]
-                         + [(f, torch.bfloat16) for f in ("dinov2", "clip-projection")])
+                         + [(f, torch.bfloat16) for f in ("dinov2", "clip-projection", "siglip")])
 def test_from_hf_families_match_transformers(family, dtype):
     _check_parity(_family_model(family), family_outputs, from_hf, dtype)
 
@@ -168,12 +171,13 @@ TIMM_VARIANTS = {
                                              qkv_bias=False, num_classes=2),
     "token-no-final-norm": dict(final_norm=False, num_classes=0),
     "layer-scale-registers-no_embed_class": dict(init_values=0.5, reg_tokens=4, no_embed_class=True, num_classes=0),
+    "siglip-map-head": dict(class_token=False, global_pool="map", act_layer="gelu_tanh", num_classes=5),
 }
 
 
 @pytest.mark.parametrize("variant, dtype", [(v, torch.float32) for v in TIMM_VARIANTS]
                          + [(v, torch.bfloat16) for v in list(TIMM_VARIANTS)[:2]
-                            + ["layer-scale-registers-no_embed_class"]])
+                            + ["layer-scale-registers-no_embed_class", "siglip-map-head"]])
 def test_from_timm_matches_timm(variant, dtype):
     def run(m, px):
         f = m.forward_features(px)
@@ -216,7 +220,7 @@ def test_missing_value_projection_is_reported():
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(global_pool="map"), r"global_pool 'map' \(supported: token, avg\)"),
+    (dict(global_pool="max"), r"global_pool 'max' \(supported: token, avg, map\)"),
     (dict(qk_norm=True), "qk_norm"),
     (dict(norm_layer=RmsNorm), r"norm layer RmsNorm \(supported: LayerNorm\)"),
     (dict(proj_bias=False), "proj_bias=False"),

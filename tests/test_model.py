@@ -25,6 +25,8 @@ VARIANTS = {
                                     qkv_bias=False, final_norm=False),
     "deit-distilled": dict(dist_token=True, head_dist=True, num_classes=50),
     "deit-dist_token-registers": dict(dist_token=True, reg_tokens=2, num_classes=50),
+    "siglip-map-no-class": dict(class_token=False, pool="map", act="gelu_tanh"),
+    "clip-projection": dict(pre_norm=True, patch_bias=False, fc_norm=True, proj_dim=40),
 }
 
 
@@ -44,7 +46,7 @@ def test_forward_matches_reference(variant, dtype):
         ref = reference_forward(cfg, params64, pixels.double(), features_only)
         theirs = reference_forward(cfg, params, pixels, features_only)
         assert_close(ours, ref, dtype, theirs)
-    assert model(pixels).shape == (3, cfg.num_classes or cfg.embed_dim)
+    assert model(pixels).shape == (3, cfg.num_classes or cfg.embedding_dim)
 
 
 @pytest.mark.parametrize("splits", [1, 3])

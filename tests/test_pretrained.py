@@ -28,7 +28,7 @@ def _check(ours, ref, features_and_output) -> None:
 
 def _hf_outputs(model, pixels):
     name = type(model).__name__
-    if name.startswith(("ViTMAE", "CLIP", "Dinov2")):
+    if name.startswith(("ViTMAE", "CLIP", "Dinov2", "Siglip")):
         features, output, _ = family_outputs(model.vit if name == "ViTMAEForPreTraining" else model, pixels)
         return features, output
     inner = getattr(model, "vit", None) or getattr(model, "deit", None) or model
@@ -48,6 +48,8 @@ HF_CASES = {
     "Dinov2WithRegistersModel": dict(mlp_ratio=2, num_register_tokens=4),
     "CLIPModel": dict(projection_dim=40),
     "CLIPVisionModelWithProjection": dict(projection_dim=24),
+    "SiglipModel": dict(),
+    "SiglipVisionModel": dict(hidden_act="gelu"),
     "ViTMAEForPreTraining": dict(mask_ratio=0.0, decoder_hidden_size=32, decoder_num_hidden_layers=1,
                                  decoder_intermediate_size=40, decoder_num_attention_heads=2),
 }
@@ -107,6 +109,8 @@ TIMM_CASES = {
     "clip-quickgelu": ("vit_base_patch16_clip_quickgelu_224", dict(embed_dim=64, num_heads=2, num_classes=2), True),
     "deit3-layer-scale": ("deit3_small_patch16_224", dict(embed_dim=64, num_heads=2, num_classes=3), True),
     "dinov2-registers": ("vit_small_patch14_reg4_dinov2", dict(embed_dim=64, num_heads=2, patch_size=8), True),
+    # global_pool 'map' and no class token are the architecture's, not in model_args: read from the tensors
+    "siglip-map": ("vit_base_patch16_siglip_224", dict(embed_dim=64, num_heads=2), True),
 }
 
 

@@ -3,7 +3,7 @@
 vit-triton (eager, and replayed as CUDA graphs by runtime.CUDAGraphRunner) takes the HF model's
 weights (from_hf), so its output is checked against HF before any timing; timm and torch.compile(timm)
 run timm's own random weights of the same shape (speed does not depend on the values). The HF model is
-transformers' ViT, DINOv2 with registers or CLIP vision tower, whichever expresses the shape; where none
+transformers' ViT, DINOv2 with registers, CLIP or SigLIP vision tower, whichever expresses the shape; where none
 does, vit-triton takes timm's weights instead. The timm model is a VisionTransformer built from the
 shape, or a timm architecture itself (bench --model with a timm name). A peer whose package is missing is
 skipped with a note.
@@ -35,14 +35,17 @@ class System:
 
 
 def hf_model(cfg: ViTConfig) -> torch.nn.Module | None:
-    """transformers' model of `cfg`'s shape (random weights, sdpa attention): ViT, DINOv2 with registers or CLIP's
-    vision tower, or None where none of them expresses it."""
+    """transformers' model of `cfg`'s shape (random weights, sdpa attention): ViT, DINOv2 with registers, CLIP's
+    or SigLIP's vision tower, or None where none of them expresses it."""
     import transformers
 
     act = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "quick_gelu": "quick_gelu"}[cfg.act]
     shape = dict(image_size=cfg.image_size, patch_size=cfg.patch_size, num_channels=cfg.in_chans,
                  hidden_size=cfg.embed_dim, num_hidden_layers=cfg.depth, num_attention_heads=cfg.num_heads,
                  layer_norm_eps=cfg.norm_eps, hidden_act=act, attn_implementation="sdpa")
+    if (not cfg.class_token and not cfg.reg_tokens and cfg.pool == "map" and cfg.patch_bias and not cfg.pre_norm
+            and cfg.final_norm and not cfg.fc_norm and cfg.qkv_bias and not cfg.num_classes and not cfg.proj_dim):
+        return transformers.SiglipVisionModel(transformers.SiglipVisionConfig(**shape, intermediate_size=cfg.mlp_dim))
     one_token = cfg.class_token and not cfg.dist_token and cfg.pool == "token" and not cfg.proj_dim
     if not one_token:
         return None

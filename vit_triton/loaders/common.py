@@ -112,6 +112,15 @@ class Mapped:
         if key in self.tensors:
             self.tensors[new_key], self.origin[new_key] = self.tensors.pop(key), self.origin.pop(key)
 
+    def split(self, key: str, parts: list[str], rows: int) -> None:
+        """tensors[key] cut along dim 0 into parts of `rows` rows each (the last takes the rest): one matrix that
+        our model holds as several layers (SigLIP's in_proj as the pool's q and kv)."""
+        if key in self.tensors:
+            t, origin = self.tensors.pop(key), self.origin.pop(key)
+            for i, part in enumerate(parts):
+                self.tensors[part] = t[i * rows:(i + 1) * rows] if i < len(parts) - 1 else t[i * rows:]
+                self.origin[part] = origin
+
     def transpose(self, key: str) -> None:
         """tensors[key] as its transpose (a matrix stored as x @ W rather than nn.Linear's x @ W^T)."""
         if key in self.tensors:

@@ -1,12 +1,13 @@
 """HuggingFace transformers vision encoders -> vit-triton: ViT, DeiT, DINOv2 (with registers), CLIP's vision
-tower (with its projection), ViT-MAE's encoder.
+tower (with its projection), SigLIP's (with its attention-pool head), ViT-MAE's encoder.
 
 Keys come in the hub's spellings (transformers 4: encoder.layer.N.attention.attention.query,
 intermediate.dense, output.dense, ...; CLIP's encoder.layers.N.self_attn.q_proj, layer_norm1, ...) and in
 transformers 5's (layers.N.attention.q_proj, mlp.fc1, ...). All map here. q, k and v are concatenated into one
-QKV weight; DINOv2's LayerScale is folded into the layer before it. Not part of our forward: ViTModel's pooler
-(dense + tanh over the class token), mask tokens, the text tower of a CLIPModel checkpoint and ViT-MAE's
-decoder. DeiT is ViT with a distillation token after the class token, and with a teacher, a second classifier
+QKV weight; DINOv2's LayerScale is folded into the layer before it; SigLIP's head (probe, attention.in_proj,
+out_proj, layernorm, mlp) becomes attn_pool (latent, q and kv, proj, norm, mlp). Not part of our forward:
+ViTModel's pooler (dense + tanh over the class token), mask tokens, the text tower of a CLIPModel or SiglipModel
+checkpoint and ViT-MAE's decoder. DeiT is ViT with a distillation token after the class token, and with a teacher, a second classifier
 on it (cls_classifier -> head, distillation_classifier -> head_dist).
 """
 
@@ -27,6 +28,7 @@ ARCHITECTURES = {
     "Dinov2Model": "dinov2", "Dinov2WithRegistersModel": "dinov2_with_registers",
     "CLIPVisionModel": "clip_vision_model", "CLIPVisionModelWithProjection": "clip_vision_model",
     "CLIPModel": "clip",
+    "SiglipVisionModel": "siglip_vision_model", "SiglipModel": "siglip",
     "ViTMAEModel": "vit_mae", "ViTMAEForPreTraining": "vit_mae",
 }
 HF_ARCHITECTURES = tuple(ARCHITECTURES)
@@ -54,21 +56,28 @@ _RULES = [(r"(?:vit\.|deit\.|dinov2\.|vision_model\.)?" + pattern, repl) for pat
     (_LAYER + r"(?:output\.dense|mlp\.fc2)\.(weight|bias)", r"blocks.\1.fc2.\2"),
     (_LAYER + r"layer_scale([12])\.lambda1", r"blocks.\1.ls\2"),
     (r"(?:layernorm|post_layernorm)\.(weight|bias)", r"norm.\1"),
+    (r"head\.probe", "attn_pool.latent"),
+    (r"head\.attention\.in_proj_(weight|bias)", r"attn_pool.in_proj.\1"),
+    (r"head\.attention\.out_proj\.(weight|bias)", r"attn_pool.proj.\1"),
+    (r"head\.layernorm\.(weight|bias)", r"attn_pool.norm.\1"),
+    (r"head\.mlp\.(fc1|fc2)\.(weight|bias)", r"attn_pool.mlp.\1.\2"),
 ]] + [(r"(?:cls_)?classifier\.(weight|bias)", r"head.\1"),
        (r"distillation_classifier\.(weight|bias)", r"head_dist.\1"),
        (r"visual_projection\.weight", "proj.weight")]
 # Not in our forward: the pooler, mask tokens, position ids, a CLIP checkpoint's text tower, MAE's decoder.
 _UNUSED = [(r"(?:vit\.|deit\.|dinov2\.|vision_model\.)?(?:pooler\.dense\.(?:weight|bias)|embeddings\.mask_token"
             r"|embeddings\.position_ids)", ""),
-           (r"(?:(?:text_model\.|decoder\.).*|text_projection\.weight|logit_scale)", "")]
+           (r"(?:(?:text_model\.|decoder\.).*|text_projection\.weight|logit_scale|logit_bias)", "")]
 
 
 def vision_config(config: dict) -> dict:
-    """The vision encoder's part of a config.json: a CLIPModel's vision_config (with the projection's width),
-    else the config itself."""
-    if config.get("model_type") == "clip":
-        return {**config["vision_config"], "model_type": "clip_vision_model",
-                "projection_dim": config.get("projection_dim", config["vision_config"].get("projection_dim"))}
+    """The vision encoder's part of a config.json: a CLIPModel's or SiglipModel's vision_config (with CLIP's
+    projection width), else the config itself."""
+    model_type = config.get("model_type")
+    if model_type in ("clip", "siglip"):
+        vision = config["vision_config"]
+        return {**vision, "model_type": f"{model_type}_vision_model",
+                "projection_dim": config.get("projection_dim", vision.get("projection_dim"))}
     return config
 
 
@@ -79,16 +88,20 @@ def hf_config_to_vit(config: dict, num_classes: int = 0, head_dist: bool = False
     and whether the image embedding is projected (CLIP with projection) are separate."""
     config = vision_config(config)
     model_type = config.get("model_type")
-    families = sorted(set(ARCHITECTURES.values()) - {"clip"})
+    families = sorted(set(ARCHITECTURES.values()) - {"clip", "siglip"})
     if model_type not in families:
         raise ValueError(f"unsupported HuggingFace model_type {model_type!r}; supported: "
                          f"{', '.join(map(repr, families))}")
-    clip, dinov2 = model_type == "clip_vision_model", model_type.startswith("dinov2")
+    clip, dinov2, siglip = (model_type == "clip_vision_model", model_type.startswith("dinov2"),
+                            model_type == "siglip_vision_model")
     act = config.get("hidden_act", "quick_gelu" if clip else "gelu")
     if act not in _ACTIVATIONS:
         raise ValueError(f"unsupported hidden_act {act!r}; supported: {', '.join(_ACTIVATIONS)}")
     if config.get("use_swiglu_ffn"):
         raise ValueError("unsupported use_swiglu_ffn=True (DINOv2's SwiGLU MLP, ViT-g/14)")
+    if siglip and config.get("vision_use_head") is False:
+        raise ValueError("unsupported vision_use_head=False (SigLIP without its attention-pool head: no pooled "
+                         "output)")
     d = config["hidden_size"]
     return ViTConfig(
         image_size=square(config["image_size"], "image_size"), patch_size=square(config["patch_size"], "patch_size"),
@@ -96,10 +109,11 @@ def hf_config_to_vit(config: dict, num_classes: int = 0, head_dist: bool = False
         num_heads=config["num_attention_heads"],
         mlp_dim=int(d * config.get("mlp_ratio", 4)) if dinov2 else config["intermediate_size"],
         qkv_bias=config.get("qkv_bias", True),
-        norm_eps=config.get("layer_norm_eps", 1e-5 if clip else 1e-6 if dinov2 else 1e-12),
-        act=_ACTIVATIONS[act], reg_tokens=config.get("num_register_tokens", 0),
+        norm_eps=config.get("layer_norm_eps", 1e-5 if clip else 1e-6 if dinov2 or siglip else 1e-12),
+        act=_ACTIVATIONS[act], class_token=not siglip, reg_tokens=config.get("num_register_tokens", 0),
         pos_embed_prefix=not config.get("num_register_tokens"),   # see hf_state_dict_to_vit
         patch_bias=not clip, pre_norm=clip, fc_norm=clip,   # CLIP normalizes only the pooled class token
+        pool="map" if siglip else "token",
         num_classes=num_classes, dist_token=model_type == "deit", head_dist=head_dist,
         proj_dim=config["projection_dim"] if projection else 0,
     )
@@ -124,6 +138,9 @@ def hf_state_dict_to_vit(state_dict: dict[str, torch.Tensor], cfg: ViTConfig) ->
         mapped.concat(f"blocks.{i}.qkv.weight", [f"blocks.{i}.{n}.weight" for n in "qkv"], shape=(d, d))
         mapped.concat(f"blocks.{i}.qkv.bias", [f"blocks.{i}.{n}.bias" for n in "qkv"], shape=(d,))
     mapped.fold_layer_scale(cfg.depth)
+    mapped.split("attn_pool.in_proj.weight", ["attn_pool.q.weight", "attn_pool.kv.weight"], d)
+    mapped.split("attn_pool.in_proj.bias", ["attn_pool.q.bias", "attn_pool.kv.bias"], d)
+    mapped.reshape("attn_pool.latent", -1, d)
     if cfg.fc_norm:   # CLIP's post_layernorm
         for name in ("weight", "bias"):
             mapped.move(f"norm.{name}", f"fc_norm.{name}")

@@ -112,7 +112,7 @@ _TIMM_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_tanh", "quick_gelu": "qu
 _TIMM_UNSUPPORTED = {
     r"blocks\.\d+\.attn\.[qk]_norm\..*": "qk_norm",
     r"blocks\.\d+\.(attn|mlp)\.norm\..*": "attention or MLP scale norms",
-    r"attn_pool\..*": "attention pooling (global_pool 'map')",
+    r"attn_pool\.(?:q_norm\..*|k_norm\..*|pos_embed)": "an attention pool with qk_norm or pos_embed",
     r"patch_embed\.norm\..*": "a norm layer in the patch embedding",
     r"patch_embed\.backbone\..*": "a hybrid CNN stem",
 }
@@ -150,9 +150,10 @@ def _timm_config(architecture: str, config: dict, sd: dict) -> ViTConfig:
     act = args.get("act_layer") or ("quick_gelu" if "quickgelu" in architecture else "gelu")
     if act not in _TIMM_ACTIVATIONS:
         raise ValueError(f"unsupported timm act_layer {act!r}; supported: {', '.join(_TIMM_ACTIVATIONS)}")
-    pool = config.get("global_pool", args.get("global_pool", "token" if class_token else "avg"))
-    if pool not in ("token", "avg"):
-        raise ValueError(f"unsupported timm global_pool {pool!r} in {architecture}; supported: token, avg")
+    pool = config.get("global_pool", args.get("global_pool", "map" if "attn_pool.latent" in sd
+                                              else "token" if class_token else "avg"))
+    if pool not in ("token", "avg", "map"):
+        raise ValueError(f"unsupported timm global_pool {pool!r} in {architecture}; supported: token, avg, map")
     num_classes = sd["head.weight"].shape[0] if "head.weight" in sd else 0
     return ViTConfig(
         image_size=size, patch_size=patch, in_chans=in_chans, embed_dim=embed_dim, depth=depth,

@@ -21,8 +21,9 @@ _RULES = [
     (r"blocks\.(\d+)\.mlp\.(fc1|fc2)\.(weight|bias)", r"blocks.\1.\2.\3"),
     (r"blocks\.(\d+)\.(ls[12])\.gamma", r"blocks.\1.\2"),
     (r"(blocks\.\d+\.norm[12]|norm_pre|norm|fc_norm|head|head_dist)\.(weight|bias)", r"\1.\2"),
+    (r"attn_pool\.(latent|(?:q|kv|proj|norm|mlp\.fc1|mlp\.fc2)\.(?:weight|bias))", r"attn_pool.\1"),
 ]
-_POOLS = ("token", "avg")
+_POOLS = ("token", "avg", "map")
 
 
 def _activation(act: nn.Module) -> str:
@@ -32,6 +33,18 @@ def _activation(act: nn.Module) -> str:
     if name in ("GELUTanh", "QuickGELU"):
         return {"GELUTanh": "gelu_tanh", "QuickGELU": "quick_gelu"}[name]
     raise ValueError(f"unsupported timm activation {name}; supported: GELU, GELUTanh, QuickGELU")
+
+
+def _unusual_pool(pool: nn.Module | None) -> bool:
+    """An AttentionPoolLatent that our AttentionPool does not compute: it takes one learned query through a q
+    projection, no qk_norm, no position embedding, and the output of that query."""
+    if pool is None:
+        return False
+    q = getattr(pool, "q", None)
+    return (not isinstance(q, nn.Linear) or tuple(pool.latent.shape) != (1, 1, q.in_features)
+            or any(not isinstance(getattr(pool, n, nn.Identity()), nn.Identity) for n in ("q_norm", "k_norm"))
+            or getattr(pool, "pos_embed", None) is not None or type(pool.mlp).__name__ != "Mlp"
+            or getattr(pool, "pool", "token") != "token")
 
 
 def _is_layer_norm(m: nn.Module) -> bool:
@@ -50,7 +63,8 @@ def timm_config_to_vit(module: nn.Module) -> ViTConfig:
                    if not isinstance(n, (nn.LayerNorm, nn.Identity))}
     unsupported = {
         f"global_pool {module.global_pool!r} (supported: {', '.join(_POOLS)})": module.global_pool not in _POOLS,
-        "attention pooling (attn_pool)": getattr(module, "attn_pool", None) is not None,
+        "an attention pool other than one learned query (latent_len, qk_norm, pos_embed, pool_type)":
+            _unusual_pool(getattr(module, "attn_pool", None)),
         "qk_norm": not isinstance(getattr(block.attn, "q_norm", nn.Identity()), nn.Identity),
         "attention or MLP scale norms": not isinstance(getattr(block.attn, "norm", nn.Identity()), nn.Identity)
         or not isinstance(getattr(block.mlp, "norm", nn.Identity()), nn.Identity),
@@ -87,6 +101,7 @@ def timm_state_dict_to_vit(state_dict: dict[str, torch.Tensor], cfg: ViTConfig) 
     mapped.concat("prefix_tokens", ["cls_token", "dist_token", "reg_token"])
     mapped.reshape("pos_embed", -1, cfg.embed_dim)
     mapped.fold_layer_scale(cfg.depth)
+    mapped.reshape("attn_pool.latent", -1, cfg.embed_dim)
     return mapped.check(cfg, "timm VisionTransformer")
 
 

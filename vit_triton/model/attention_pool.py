@@ -13,7 +13,7 @@ from torch import nn
 
 from ..ops import fused_attention
 from .config import ACTIVATIONS
-from .vit import LayerNorm, Linear
+from .layers import LayerNorm, Linear
 
 
 class Mlp(nn.Module):

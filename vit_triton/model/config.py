@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-POOLS = ("token", "avg")
+POOLS = ("token", "avg", "map")
 ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu")   # the MLP's, each one of the linear kernel's epilogues
 
 
@@ -12,7 +12,8 @@ ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu")   # the MLP's, each one of the
 class ViTConfig:
     """The shape and the variant choices of a ViT; defaults are ViT-B/16 at 224 px (timm's).
 
-    pool "token" takes the class token, "avg" the mean of the patch tokens. fc_norm moves the
+    pool "token" takes the class token, "avg" the mean of the patch tokens, "map" an attention-pool head
+    (model.attention_pool: one learned query, the blocks' heads, MLP width and activation). fc_norm moves the
     final LayerNorm after the pooling (timm's avg-pool models); final_norm=False drops it.
     pos_embed_prefix: the position embedding also covers the prefix tokens (timm's default;
     False is no_embed_class). pre_norm adds a LayerNorm before the blocks (CLIP), where the patch

@@ -52,7 +52,10 @@ def reference_forward(cfg: ViTConfig, params: dict[str, torch.Tensor], pixels: t
     if cfg.head_dist:
         return (F.linear(x[:, 0], p["head.weight"], p["head.bias"])
                 + F.linear(x[:, 1], p["head_dist.weight"], p["head_dist.bias"])) / 2
-    x = x[:, 0] if cfg.pool == "token" else x[:, cfg.num_prefix_tokens:].mean(1)
+    if cfg.pool == "map":
+        x = attention_pool_reference(p, "attn_pool.", x, cfg.num_heads, eps, cfg.act)
+    else:
+        x = x[:, 0] if cfg.pool == "token" else x[:, cfg.num_prefix_tokens:].mean(1)
     if cfg.fc_norm:
         x = F.layer_norm(x, (d,), p["fc_norm.weight"], p["fc_norm.bias"], eps)
     if cfg.num_classes:

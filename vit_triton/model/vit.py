@@ -10,41 +10,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops import ResidualStream, fused_attention, layer_norm, linear, patch_embed, token_mean
+from ..ops import ResidualStream, fused_attention, patch_embed, token_mean
+from .attention_pool import AttentionPool
 from .config import ViTConfig
-
-
-class LayerNorm(nn.Module):
-    """tf32_output: the output is read only by a GEMM, so with float32 matmuls on tf32 it is stored rounded
-    to tf32 and the GEMM skips that rounding (kernels/tf32.py)."""
-
-    def __init__(self, dim: int, eps: float, tf32_output: bool = False, **factory) -> None:
-        super().__init__()
-        self.eps = eps
-        self.tf32_output = tf32_output
-        self.weight = nn.Parameter(torch.ones(dim, **factory))
-        self.bias = nn.Parameter(torch.zeros(dim, **factory))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return layer_norm(x, self.weight, self.bias, self.eps, tf32_output=self.tf32_output)
-
-
-class Linear(nn.Module):
-    """y = scale * (activation(x @ W^T + b) [+ residual]), all in one GEMM. tf32_input: x comes from a
-    kernel's tf32_output; tf32_output: y is read only by another GEMM or attention (kernels/tf32.py)."""
-
-    def __init__(self, d_in: int, d_out: int, bias: bool = True, activation: str = "none", tf32_input: bool = False,
-                 tf32_output: bool = False, **factory) -> None:
-        super().__init__()
-        self.activation = activation
-        self.tf32_input, self.tf32_output = tf32_input, tf32_output
-        self.weight = nn.Parameter(torch.empty(d_out, d_in, **factory))
-        self.bias = nn.Parameter(torch.zeros(d_out, **factory)) if bias else None
-        nn.init.trunc_normal_(self.weight, std=0.02)
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, activation=self.activation, residual=residual, scale=scale,
-                      tf32_input=self.tf32_input, tf32_output=self.tf32_output)
+from .layers import LayerNorm, Linear
 
 
 class PatchEmbed(nn.Module):
@@ -103,6 +72,8 @@ class ViT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, **factory) for _ in range(cfg.depth))
         self.norm = LayerNorm(d, cfg.norm_eps, **factory) if cfg.final_norm and not cfg.fc_norm else None
         self.fc_norm = LayerNorm(d, cfg.norm_eps, **factory) if cfg.fc_norm else None
+        self.attn_pool = (AttentionPool(d, cfg.num_heads, cfg.mlp_dim, cfg.act, cfg.norm_eps, qkv_bias=cfg.qkv_bias,
+                                        **factory) if cfg.pool == "map" else None)
         self.head = Linear(d, cfg.num_classes, **factory) if cfg.num_classes else None
         self.head_dist = Linear(d, cfg.num_classes, **factory) if cfg.head_dist else None
         self.proj = Linear(d, cfg.proj_dim, bias=False, **factory) if cfg.proj_dim else None
@@ -145,7 +116,8 @@ class ViT(nn.Module):
         return x.view(batch, num_tokens, d)
 
     def forward_head(self, features: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        """Pool (class token or patch mean), fc_norm, then the classifier or the projection unless pre_logits."""
+        """Pool (class token, patch mean or attention pool), fc_norm, then the classifier or the projection unless
+        pre_logits."""
         if features.shape[0] == 0:
             out = self.head if self.head is not None else self.proj
             width = out.weight.shape[0] if out is not None and not pre_logits else features.shape[-1]
@@ -157,6 +129,8 @@ class ViT(nn.Module):
             return self.head_dist(features[:, 1], residual=self.head(features[:, 0]), scale=0.5)
         if self.config.pool == "token":
             pooled = features[:, 0]
+        elif self.attn_pool is not None:
+            pooled = self.attn_pool(features)
         else:
             pooled = token_mean(features, self.config.num_prefix_tokens)
         if self.fc_norm is not None:

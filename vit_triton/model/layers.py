@@ -1,0 +1,42 @@
+"""The two parametrized layers every module of the model is built from: LayerNorm and Linear (a GEMM with its
+fused epilogue), as nn.Modules over vit_triton ops."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..ops import layer_norm, linear
+
+
+class LayerNorm(nn.Module):
+    """tf32_output: the output is read only by a GEMM, so with float32 matmuls on tf32 it is stored rounded
+    to tf32 and the GEMM skips that rounding (kernels/tf32.py)."""
+
+    def __init__(self, dim: int, eps: float, tf32_output: bool = False, **factory) -> None:
+        super().__init__()
+        self.eps = eps
+        self.tf32_output = tf32_output
+        self.weight = nn.Parameter(torch.ones(dim, **factory))
+        self.bias = nn.Parameter(torch.zeros(dim, **factory))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return layer_norm(x, self.weight, self.bias, self.eps, tf32_output=self.tf32_output)
+
+
+class Linear(nn.Module):
+    """y = scale * (activation(x @ W^T + b) [+ residual]), all in one GEMM. tf32_input: x comes from a
+    kernel's tf32_output; tf32_output: y is read only by another GEMM or attention (kernels/tf32.py)."""
+
+    def __init__(self, d_in: int, d_out: int, bias: bool = True, activation: str = "none", tf32_input: bool = False,
+                 tf32_output: bool = False, **factory) -> None:
+        super().__init__()
+        self.activation = activation
+        self.tf32_input, self.tf32_output = tf32_input, tf32_output
+        self.weight = nn.Parameter(torch.empty(d_out, d_in, **factory))
+        self.bias = nn.Parameter(torch.zeros(d_out, **factory)) if bias else None
+        nn.init.trunc_normal_(self.weight, std=0.02)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, activation=self.activation, residual=residual, scale=scale,
+                      tf32_input=self.tf32_input, tf32_output=self.tf32_output)
