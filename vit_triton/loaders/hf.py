@@ -65,7 +65,7 @@ def hf_config_to_vit(config: dict, num_classes: int = 0, head_dist: bool = False
         num_heads=config["num_attention_heads"], mlp_dim=config["intermediate_size"],
         qkv_bias=config.get("qkv_bias", True), norm_eps=config.get("layer_norm_eps", 1e-12),
         act=_ACTIVATIONS[act], num_classes=num_classes, dist_token=config["model_type"] == "deit",
-        head_dist=head_dist,
+        head_dist=head_dist, pos_resample="bicubic",   # interpolate_pos_encoding
     )
 
 
