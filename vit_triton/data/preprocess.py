@@ -7,7 +7,8 @@ Two conventions, as the two libraries implement them:
   `interpolate` (in uint8 where torchvision does so, else in float32 then rounded), center-cropped
   with the offset rounded down, and normalized as (x - mean/rescale) / (std/rescale) in float32.
 - timm (`create_transform(**resolve_data_config(...))`, the eval transform): Pillow resizes the
-  shorter side to floor(size / crop_pct) (crop_mode "center") or both sides ("squash"), the center
+  shorter side to floor(size / crop_pct) (crop_mode "center"; for a non-square size, the image just
+  covers floor(side / crop_pct) on both sides, aspect kept) or both sides ("squash"), the center
   crop offset is rounded to nearest, then (x / 255 - mean) / std in float32.
 
 The work is split where it is cheapest to move: `resize_crop` (PIL image -> uint8 [C, H, W]) runs in
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import math
 import platform
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import numpy as np
@@ -58,6 +59,8 @@ class Preprocess:
     """Image -> pixel tensor [C, H, W] as the checkpoint's own preprocessing makes it.
 
     resize: (height, width), or an int that the shorter side is resized to (aspect kept), or None.
+    keep_ratio: a (height, width) resize scales the image, aspect kept, by the least factor that makes it cover
+    that size, each side rounded (timm's ResizeKeepRatio, before a non-square center crop).
     crop: (height, width) of the center crop (zero-padded where the image is smaller), or None.
     rescale: the factor uint8 values are multiplied by (transformers; timm always divides by 255).
     mean, std: per-channel normalization after rescaling, or None for none.
@@ -70,6 +73,7 @@ class Preprocess:
     rescale: float | None
     mean: tuple[float, ...] | None
     std: tuple[float, ...] | None
+    keep_ratio: bool = False
 
     def __post_init__(self) -> None:
         if self.convention not in CONVENTIONS:
@@ -78,7 +82,7 @@ class Preprocess:
         if self.resample not in supported:
             raise ValueError(f"unsupported {self.convention} resample {self.resample!r}; supported: "
                              f"{', '.join(supported)}")
-        if self.crop is None and not isinstance(self.resize, tuple):
+        if self.crop is None and (not isinstance(self.resize, tuple) or self.keep_ratio):
             raise ValueError("preprocessing must give a fixed image size: resize to (height, width) or crop")
         if (self.mean is None) != (self.std is None):
             raise ValueError("mean and std go together")
@@ -129,16 +133,16 @@ class Preprocess:
         resolve_data_config does; missing entries take timm's defaults (input size: `image_size`)."""
         input_size = pretrained_cfg.get("input_size") or (3, image_size or 224, image_size or 224)
         height, width = input_size[-2:]
-        if height != width:
-            raise ValueError(f"non-square timm input_size {list(input_size)} is not supported")
         crop_pct = pretrained_cfg.get("crop_pct") or 0.875
         crop_mode = pretrained_cfg.get("crop_mode") or "center"
         if crop_mode not in TIMM_CROP_MODES:
             raise ValueError(f"unsupported timm crop_mode {crop_mode!r}; supported: {', '.join(TIMM_CROP_MODES)}")
-        scale = math.floor(height / crop_pct)
+        scale = (math.floor(height / crop_pct), math.floor(width / crop_pct))
+        center = crop_mode == "center"
         return cls(
             convention="timm",
-            resize=scale if crop_mode == "center" else (scale, scale),
+            resize=scale[0] if center and scale[0] == scale[1] else scale,
+            keep_ratio=center and scale[0] != scale[1],
             resample=pretrained_cfg.get("interpolation") or "bicubic",
             crop=(height, width),
             rescale=1 / 255,
@@ -147,21 +151,45 @@ class Preprocess:
         )
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module) -> Preprocess:
-        """The preprocessing of the checkpoint a model was loaded from by vit_triton.from_pretrained."""
+    def for_model(cls, model: torch.nn.Module, image_size: int | tuple[int, int] | None = None) -> Preprocess:
+        """The preprocessing of the checkpoint a model was loaded from by vit_triton.from_pretrained.
+
+        image_size: an int or (height, width) to make images of that size instead of the checkpoint's (the model
+        runs any multiple of its patch size): timm's eval transform at input_size (C, height, width), as
+        resolve_data_config(args={"input_size": ...}) gives it (resize to the size / crop_pct, then center
+        crop); the transformers processor with crop_size {"height", "width"} and the resize scaled as the crop
+        is, side by side (an int resize as the crop's longer side), or, without a crop, size {"height", "width"}.
+        """
         info = getattr(model, "checkpoint", None)
         if info is None:
             raise ValueError("the model was not loaded by vit_triton.from_pretrained, so its preprocessing is "
                              "unknown: build one with Preprocess.from_hf or Preprocess.from_timm")
-        size = model.config.image_size
+        native = model.config.image_size
         if info.library == "timm":
-            pre = cls.from_timm(info.preprocessing, size)
+            config = info.preprocessing
+            if image_size is not None:
+                config = {**config, "input_size": (model.config.in_chans, *_pair(image_size))}
+            pre = cls.from_timm(config, native)
         else:
-            pre = cls.from_hf(info.preprocessing, info.architecture, size)
-        if pre.size != (size, size):
+            pre = cls.from_hf(info.preprocessing, info.architecture, native)
+            if image_size is not None:
+                pre = pre._hf_at(_pair(image_size))
+        if image_size is None and pre.size != (native, native):
             raise ValueError(f"the checkpoint's preprocessing gives {pre.size[0]}x{pre.size[1]} images but the model "
-                             f"takes {size}x{size}")
+                             f"takes {native}x{native}")
+        model.grid(*pre.size)   # a size the model runs: multiples of its patch size
         return pre
+
+    def _hf_at(self, size: tuple[int, int]) -> Preprocess:
+        """This transformers preprocessing making `size` images: the crop becomes `size` and the resize is scaled
+        as the crop is (floor), or without a crop the resize becomes `size`."""
+        if self.crop is None:
+            return replace(self, resize=size)
+        if isinstance(self.resize, tuple):
+            resize = tuple(r * new // old for r, new, old in zip(self.resize, size, self.crop))
+        else:
+            resize = self.resize * max(size) // max(self.crop)
+        return replace(self, resize=resize, crop=size)
 
     # -- applying it --
 
@@ -169,15 +197,15 @@ class Preprocess:
         """Resize and center-crop a decoded image: uint8 [C, H, W], contiguous."""
         if self.convention == "timm":
             if self.resize is not None:
-                h, w = _resized_size(image.height, image.width, self.resize)
+                h, w = _resized_size(image.height, image.width, self.resize, self.keep_ratio)
                 if (h, w) != (image.height, image.width):
                     image = image.resize((w, h), _PIL_FILTERS[self.resample])
             pixels = _to_uint8_chw(image)
         else:
             pixels = _to_uint8_chw(image)
             if self.resize is not None:
-                pixels = _resize_like_torchvision(pixels, _resized_size(*pixels.shape[-2:], self.resize),
-                                                  self.resample)
+                pixels = _resize_like_torchvision(pixels, _resized_size(*pixels.shape[-2:], self.resize,
+                                                                        self.keep_ratio), self.resample)
         if self.crop is not None:
             # timm (torchvision.transforms.CenterCrop) rounds the offset; transformers truncates it.
             pixels = _center_crop(pixels, self.crop, round if self.convention == "timm" else int)
@@ -215,7 +243,15 @@ def _hf_size(size, name: str, shortest_edge_ok: bool = False) -> tuple[int, int]
                      f"{{'height', 'width'}}" + (", {'shortest_edge'}" if shortest_edge_ok else ""))
 
 
-def _resized_size(height: int, width: int, size: tuple[int, int] | int) -> tuple[int, int]:
+def _pair(size: int | tuple[int, int]) -> tuple[int, int]:
+    """An image size given as an int (a square) or (height, width), as (height, width)."""
+    return (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
+
+
+def _resized_size(height: int, width: int, size: tuple[int, int] | int, keep_ratio: bool) -> tuple[int, int]:
+    if keep_ratio:   # timm's ResizeKeepRatio: the least scale that covers `size`
+        ratio = min(height / size[0], width / size[1])
+        return round(height / ratio), round(width / ratio)
     if isinstance(size, tuple):
         return size
     # The shorter side becomes `size`, the longer one is truncated (torchvision, transformers alike).
