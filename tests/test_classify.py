@@ -35,15 +35,17 @@ def in_work(work, monkeypatch):
 IMAGES = ["img0.jpg", "img1.png", "img2.jpg"]
 
 
-def _hf_top(work, k):
+def _hf_top(work, k, **size):
+    """transformers' top k; with size {"height", "width"}, its processor and model at that size."""
     import transformers
     from PIL import Image
 
     processor = transformers.AutoImageProcessor.from_pretrained(work / "vit")
     model = transformers.ViTForImageClassification.from_pretrained(work / "vit").eval()
-    pixels = processor([Image.open(work / p).convert("RGB") for p in IMAGES], return_tensors="pt")["pixel_values"]
+    images = [Image.open(work / p).convert("RGB") for p in IMAGES]
+    pixels = processor(images, return_tensors="pt", **size)["pixel_values"]
     with torch.no_grad():
-        return model(pixels).logits.softmax(-1).topk(k)
+        return model(pixels, interpolate_pos_encoding=bool(size)).logits.softmax(-1).topk(k)
 
 
 def test_json_equals_transformers_pipeline(work, capsys):
@@ -55,6 +57,22 @@ def test_json_equals_transformers_pipeline(work, capsys):
         assert [x["index"] for x in r["predictions"]] == c.tolist()
         assert [x["label"] for x in r["predictions"]] == [LABELS[i] for i in c.tolist()]
         assert [x["probability"] for x in r["predictions"]] == pytest.approx(p.tolist(), abs=1e-5)
+
+
+def test_another_image_size_equals_transformers_at_that_size(work, capsys):
+    assert main(["classify", *IMAGES, "--model", "vit", "--top-k", "3", "--json", "--image-size", "24x40",
+                 "--dtype", "fp32"]) == 0
+    results = json.loads(capsys.readouterr().out)
+    probs, classes = _hf_top(work, 3, size={"height": 24, "width": 40})
+    for r, p, c in zip(results, probs, classes):
+        assert [x["index"] for x in r["predictions"]] == c.tolist()
+        assert [x["probability"] for x in r["predictions"]] == pytest.approx(p.tolist(), abs=1e-5)
+
+
+def test_an_image_size_the_model_does_not_take_is_a_usage_error(capsys):
+    assert main(["classify", "img0.jpg", "--model", "vit", "--image-size", "30"]) == 2
+    assert ("vit-triton classify: error: --image-size 30x30: image height and width must be positive multiples of "
+            "the patch size 8, got 30x30") in capsys.readouterr().err
 
 
 def test_text_output_and_unreadable_images(capsys):

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from vit_triton.cli import main
-from vit_triton.utils import MissingExtra
+from vit_triton.utils import MissingExtra, image_size
 
 
 def test_verify_prints_errors_and_times(capsys):
@@ -45,6 +45,30 @@ def test_usage_errors_exit_2_with_the_expected_value(argv, match, capsys):
         main(argv)
     err = capsys.readouterr().err
     assert exit.value.code == 2 and f"vit-triton {argv[0]}: error: " in err and match in err, err
+
+
+@pytest.mark.parametrize("text, size", [("24", (24, 24)), ("24x40", (24, 40)), (" 48 X 16 ", (48, 16))])
+def test_image_size_values(text, size):
+    assert image_size(text) == size
+
+
+@pytest.mark.parametrize("command", ["classify", "embed"])
+@pytest.mark.parametrize("value", ["0", "24x", "x24", "24x0", "-8", "24*40", "24x40x3", "big"])
+def test_a_bad_image_size_is_a_usage_error_naming_the_expected_form(command, value, capsys):
+    argv = [command, "imgs", "--model", "m", "--output", "o.npy"][:4 if command == "classify" else 6]
+    with pytest.raises(SystemExit) as exit:
+        main([*argv, f"--image-size={value}"])
+    assert exit.value.code == 2
+    assert (f"argument --image-size: expected an image size N or HxW (height x width, positive integers), "
+            f"got {value!r}") in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["classify", "embed"])
+def test_help_names_the_image_size_option(command, capsys):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--image-size N|HxW run the model on images of this size, N x N or H x W pixels" in text
 
 
 def test_bench_help_names_every_system(capsys):

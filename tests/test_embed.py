@@ -53,10 +53,10 @@ def _embed(*args: str) -> int:
     return main(["embed", *args])
 
 
-def _direct(model_dir: str, paths: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+def _direct(model_dir: str, paths: list[str], image_size=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(pooled, tokens) of `paths` from the model called directly, in one batch."""
     model = from_pretrained(model_dir, device=DEVICE, dtype=torch.float32)   # where `embed` runs it
-    pre = Preprocess.for_model(model)
+    pre = Preprocess.for_model(model, image_size)
     pixels = torch.stack([pre(load_image(p)) for p in paths]).to(DEVICE)
     with torch.no_grad():
         features = model.forward_features(pixels)
@@ -122,6 +122,29 @@ def test_npy_tokens_normalized_from_a_list_file_with_a_timm_checkpoint(tmp_path)
     torch.testing.assert_close(torch.from_numpy(tokens).float(), features, atol=2e-3, rtol=2e-3)
     assert "imgs/missing.png\tcannot read file: No such file or directory" in (tmp_path / "emb.skipped.tsv").read_text()
 
+
+
+def test_another_image_size_with_tokens(tmp_path, capsys):
+    import vit_triton
+
+    paths = [str(p) for p in sorted(Path("imgs").glob("*.png"))][:4]
+    (tmp_path / "list.txt").write_text("\n".join(paths) + "\n")
+    out = tmp_path / "emb.npy"
+    assert _embed(str(tmp_path / "list.txt"), "--model", "deit", "--output", str(out), "--tokens",
+                  "--image-size", "16x40", *RUN) == 0
+    pooled, features = _direct("deit", paths, (16, 40))
+    assert features.shape == (4, 2 + 2 * 5, 64)
+    assert_close(torch.from_numpy(np.load(out)), pooled.double(), torch.float32)
+    assert_close(torch.from_numpy(np.load(tmp_path / "emb.tokens.npy")), features.double(), torch.float32)
+    model = from_pretrained("deit", device=DEVICE, dtype=torch.float32)
+    assert_close(vit_triton.embed_images(model, paths, image_size=(16, 40)), pooled.double(), torch.float32)
+
+    capsys.readouterr()
+    assert _embed(str(tmp_path / "list.txt"), "--model", "deit", "--output", str(out), "--tokens", *RUN) == 2
+    assert "with other settings (image_size: [16, 40] then, None now)" in capsys.readouterr().err
+    assert _embed("imgs", "--model", "deit", "--output", str(tmp_path / "x.npy"), "--image-size", "20", *RUN) == 2
+    assert "--image-size 20x20: image height and width must be positive multiples of the patch size 8" in \
+        capsys.readouterr().err
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a CUDA device")

@@ -21,16 +21,17 @@ TINY_HF = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, inter
 TINY_TIMM = dict(img_size=24, patch_size=8, embed_dim=64, depth=2, num_heads=2, mlp_ratio=1.5)
 
 
-def _check_parity(ref: torch.nn.Module, run_ref, convert, dtype: torch.dtype, size: int = 24,
+def _check_parity(ref: torch.nn.Module, run_ref, convert, dtype: torch.dtype, size: int | tuple[int, int] = 24,
                   in_chans: int = 3) -> None:
     """Features, outputs and pre-logits of convert(ref) against ref in float64, in `dtype` (16-bit: vs ref
-    in dtype). run_ref(model, pixels) returns the reference's (features, output, pre-logits)."""
+    in dtype), on images of `size` (an int: square). run_ref(model, pixels) returns the reference's (features,
+    output, pre-logits)."""
     ref = randomize_(ref).to(DEVICE).eval()
     ref64 = copy.deepcopy(ref).double()
     ref_lp = ref.to(dtype)
     ours = convert(ref_lp)
     assert next(ours.parameters()).dtype == dtype and next(ours.parameters()).device.type == DEVICE.type
-    pixels = torch.randn(3, in_chans, size, size, device=DEVICE)
+    pixels = torch.randn(3, in_chans, *((size, size) if isinstance(size, int) else size), device=DEVICE)
     with torch.no_grad():
         want, theirs = run_ref(ref64, pixels.double()), run_ref(ref_lp, pixels.to(dtype))
         features = ours.forward_features(pixels.to(dtype))
@@ -117,6 +118,32 @@ def test_layer_scale_is_folded_and_checked():
         hf_state_dict_to_vit(sd, cfg)
 
 
+def _hf_any_size_outputs(model, pixels):
+    """_hf_outputs with interpolate_pos_encoding=True; DeiT with a teacher averages its two heads."""
+    if isinstance(model, transformers.DeiTForImageClassificationWithTeacher):
+        features = model.deit(pixels, interpolate_pos_encoding=True).last_hidden_state
+        logits = model(pixels, interpolate_pos_encoding=True).logits
+        return features, logits, (features[:, 0] + features[:, 1]) / 2
+    features = model.vit(pixels, interpolate_pos_encoding=True).last_hidden_state
+    return features, model(pixels, interpolate_pos_encoding=True).logits, features[:, 0]
+
+
+# The checkpoints' own 4 x 4 patches, and 3 x 5 patches: fewer rows and more columns, resampled.
+SIZES = {"native": 32, "3x5": (24, 40)}
+HF_ANY_SIZE = {"vit": (transformers.ViTForImageClassification, transformers.ViTConfig),
+               "deit-teacher": (transformers.DeiTForImageClassificationWithTeacher, transformers.DeiTConfig)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("variant", HF_ANY_SIZE)
+def test_from_hf_at_any_size_matches_interpolate_pos_encoding(variant, size, dtype):
+    cls, config = HF_ANY_SIZE[variant]
+    model = cls(config(**{**TINY_HF, "image_size": 32}, num_labels=50))
+    assert from_hf(model).config.pos_resample == "bicubic"
+    _check_parity(model, _hf_any_size_outputs, from_hf, dtype, SIZES[size])
+
+
 def _old_hf_spelling(key: str) -> str:
     """transformers 5 key -> the hub's transformers-4 spelling (the inverse of its renaming)."""
     for new, old in ((r"layers\.(\d+)\.", r"encoder.layer.\1."), (r"attention\.q_proj", "attention.attention.query"),
@@ -162,6 +189,11 @@ def test_hf_size_pairs():
         hf_config_to_vit({**config, "image_size": [24, 32]})
 
 
+def _run_timm(m, px):
+    f = m.forward_features(px)
+    return f, m.forward_head(f), m.forward_head(f, pre_logits=True)
+
+
 TIMM_VARIANTS = {
     "token-head": dict(num_classes=50),
     "avg-fc_norm-registers-no_embed_class": dict(global_pool="avg", reg_tokens=2, no_embed_class=True, num_classes=50),
@@ -179,10 +211,35 @@ TIMM_VARIANTS = {
                          + [(v, torch.bfloat16) for v in list(TIMM_VARIANTS)[:2]
                             + ["layer-scale-registers-no_embed_class", "siglip-map-head"]])
 def test_from_timm_matches_timm(variant, dtype):
-    def run(m, px):
-        f = m.forward_features(px)
-        return f, m.forward_head(f), m.forward_head(f, pre_logits=True)
-    _check_parity(VisionTransformer(**TINY_TIMM, **TIMM_VARIANTS[variant]), run, from_timm, dtype)
+    _check_parity(VisionTransformer(**TINY_TIMM, **TIMM_VARIANTS[variant]), _run_timm, from_timm, dtype)
+
+
+TIMM_ANY_SIZE = {
+    "token-registers": dict(reg_tokens=2, num_classes=50),
+    "avg-registers-no_embed_class": dict(reg_tokens=1, no_embed_class=True, global_pool="avg", fc_norm=True,
+                                         num_classes=50),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("variant", TIMM_ANY_SIZE)
+def test_from_timm_with_dynamic_img_size_matches_timm(variant, size, dtype):
+    model = VisionTransformer(**{**TINY_TIMM, "img_size": 32}, dynamic_img_size=True, **TIMM_ANY_SIZE[variant])
+    assert from_timm(model).config.pos_resample == "bicubic_float32_antialias"
+    _check_parity(model, _run_timm, from_timm, dtype, SIZES[size])
+
+
+def test_timm_distilled_deit_with_dynamic_img_size():
+    model = timm.create_model("deit_tiny_distilled_patch16_224", pretrained=False, dynamic_img_size=True,
+                              **{**TINY_TIMM, "img_size": 32}, num_classes=50)
+    _check_parity(model, _run_timm, from_timm, torch.float32, SIZES["3x5"])
+
+
+def test_timm_non_square_img_size_is_refused():
+    with pytest.raises(ValueError, match=r"a non-square img_size or patch_size \(the checkpoint's own grid must be "
+                                         r"square; inputs of any size run\)"):
+        from_timm(VisionTransformer(**{**TINY_TIMM, "img_size": (24, 32)}))
 
 
 def test_timm_factory_model_config():

@@ -49,6 +49,25 @@ def test_forward_matches_reference(variant, dtype):
     assert model(pixels).shape == (3, cfg.num_classes or cfg.embedding_dim)
 
 
+# Each variant at images of 2 x 5 patches (the model's own grid is 3 x 3), with one of the resampling styles.
+ANY_SIZE = [("cls-head", "bicubic"), ("avg-fc_norm-registers", "bicubic_float32_antialias"),
+            ("no-class-no_embed_class", "bicubic_float32"), ("deit-distilled", "bicubic_float32_antialias")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant, style", ANY_SIZE)
+def test_another_non_square_size_matches_reference(variant, style, dtype):
+    model = _model(dtype, **VARIANTS[variant], pos_resample=style)
+    cfg = model.config
+    pixels = torch.randn(3, 3, 16, 40, device=DEVICE).to(dtype)
+    params = model.state_dict()
+    params64 = {k: v.double() for k, v in params.items()}
+    for features_only, ours in ((True, model.forward_features(pixels)), (False, model(pixels))):
+        ref = reference_forward(cfg, params64, pixels.double(), features_only)
+        assert_close(ours, ref, dtype, reference_forward(cfg, params, pixels, features_only))
+    assert model.forward_features(pixels).shape == (3, cfg.num_prefix_tokens + 10, cfg.embed_dim)
+
+
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("variant", ["cls-head", "avg-fc_norm-registers", "no-class-no_embed_class"])
 def test_forward_with_split_residual_gemms(monkeypatch, variant, splits):
@@ -141,9 +160,9 @@ def test_float32_pixels_into_a_bf16_model():
 @pytest.mark.parametrize(
     "shape, dtype, match",
     [
-        ((3, 24, 24), torch.float32, r"4-D \[B, 3, 24, 24\]"),
+        ((3, 24, 24), torch.float32, r"4-D \[B, 3, H, W\]"),
         ((1, 1, 24, 24), torch.float32, r"3 channels"),
-        ((1, 3, 32, 24), torch.float32, r"image size must be 24x24"),
+        ((1, 3, 32, 20), torch.float32, r"positive multiples of the patch size 8, got 32x20"),
         ((1, 3, 24, 24), torch.float64, r"float32 or torch.float16"),
         ((1, 3, 24, 24), torch.uint8, r"float32 or torch.float16"),
     ],
@@ -165,6 +184,8 @@ def test_pixels_on_another_device():
     (dict(num_heads=3), "multiple of num_heads 3"),
     (dict(act="relu"), "act must be one of"),
     (dict(pool="max"), "pool must be one of"),
+    (dict(pos_resample="bilinear"), r"pos_resample must be one of \('bicubic_float32_antialias', 'bicubic_float32', "
+                                    r"'bicubic'\), got 'bilinear'"),
     (dict(class_token=False), "needs class_token=True"),
     (dict(dist_token=True, class_token=False, pool="avg"), "dist_token follows the class token"),
     (dict(head_dist=True, num_classes=3), "head_dist needs dist_token=True"),

@@ -79,3 +79,13 @@ def test_torch_compile_traces_the_whole_model(cfg):
         for batch in (2, 3):   # the second batch size recompiles with a symbolic batch
             pixels = _r(batch, 3, 24, 24)
             torch.testing.assert_close(compiled(pixels), model(pixels), rtol=0, atol=0)
+
+
+def test_torch_compile_at_another_image_size():
+    # Traced, the position table is resampled inside the compiled graph (no Python cache to consult).
+    model = randomize_(ViT(ViTConfig(image_size=24, patch_size=8, embed_dim=64, depth=1, num_heads=2, mlp_dim=96,
+                                     num_classes=7), device=DEVICE)).to(DT).eval()
+    compiled = torch.compile(model, fullgraph=True)
+    with torch.inference_mode():
+        pixels = _r(2, 3, 16, 40)
+        torch.testing.assert_close(compiled(pixels), model(pixels), rtol=0, atol=0)

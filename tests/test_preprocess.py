@@ -53,6 +53,12 @@ TIMM_CFGS = {
     "crop_pct-1": dict(input_size=(3, 24, 24), interpolation="bicubic", crop_pct=1.0),
     "lanczos-padded": dict(input_size=(3, 24, 24), interpolation="lanczos", crop_pct=1.2),
     "defaults": dict(input_size=(3, 24, 24)),
+    # Non-square: a center crop after the image is scaled to just cover size / crop_pct (aspect kept), also
+    # where both sides round to one scale size; squashed.
+    "center-24x40": dict(input_size=(3, 24, 40), interpolation="bicubic", crop_pct=0.9),
+    "center-40x24-bilinear": dict(input_size=(3, 40, 24), interpolation="bilinear", crop_pct=0.875),
+    "center-same-scale": dict(input_size=(3, 24, 25), crop_pct=2.0),
+    "squash-32x16": dict(input_size=(3, 32, 16), crop_pct=0.95, crop_mode="squash"),
 }
 
 
@@ -65,21 +71,22 @@ def test_equal_to_timm_eval_transform(case):
     ours = Preprocess.from_timm(cfg)
     for seed, (h, w) in enumerate(SIZES + [(25, 25)]):
         img = image(seed, h, w)
-        assert torch.equal(ours(img), theirs(img)), f"{case} {h}x{w}"
+        got = ours(img)
+        assert got.shape == (3, *cfg["input_size"][1:]) and torch.equal(got, theirs(img)), f"{case} {h}x{w}"
 
 
+@pytest.mark.parametrize("size", [32, (24, 40)])
 @pytest.mark.parametrize("preprocess_cfg", [dict(), dict(mean=(0.5,) * 3, std=(0.5,) * 3, interpolation="bilinear"),
                                             dict(resize_mode="squash")])
-def test_equal_to_open_clip_eval_transform(preprocess_cfg):
+def test_equal_to_open_clip_eval_transform(preprocess_cfg, size):
     import open_clip
 
-    size = 32
     theirs = open_clip.image_transform(size, is_train=False, **preprocess_cfg)
     ours = Preprocess.from_open_clip(preprocess_cfg, size)
     for seed, (h, w) in enumerate(SIZES):
         img = image(seed, h, w)
         want, got = theirs(img), ours(img)
-        assert got.shape == want.shape == (3, size, size)
+        assert got.shape == want.shape == (3, *ours.size)
         assert torch.equal(got, want), f"{preprocess_cfg} {h}x{w}: max difference {(got - want).abs().max()}"
 
 
@@ -108,6 +115,44 @@ def test_for_model_uses_the_checkpoints_preprocessing(tmp_path):
     pretrained_cfg = json.loads((directory / "config.json").read_text())["pretrained_cfg"]
     theirs = timm.data.create_transform(**timm.data.resolve_data_config(pretrained_cfg=pretrained_cfg))
     assert torch.equal(pre(img), theirs(img))
+
+
+@pytest.mark.parametrize("size", [(24, 40), 16], ids=["24x40", "16"])
+def test_for_model_at_another_image_size(size, tmp_path):
+    # What the libraries make at that size: timm's transform for input_size (3, H, W); a transformers processor
+    # called with size {"height", "width"}, or with a crop, crop_size and the size scaled as the crop (36/32).
+    import timm.data
+    import transformers
+
+    height, width = (size, size) if isinstance(size, int) else size
+    imgs = [image(seed, h, w) for seed, (h, w) in enumerate(SIZES)]
+    vit = save_hf(hf_model("ViTModel"), tmp_path / "vit", processor=dict(size={"height": 32, "width": 32}))
+    deit = save_hf(hf_model("DeiTModel"), tmp_path / "deit", processor=dict(size={"height": 36, "width": 36},
+                                                                           crop_size={"height": 32, "width": 32}))
+    calls = {vit: dict(size={"height": height, "width": width}),
+             deit: dict(size={"height": height * 36 // 32, "width": width * 36 // 32},
+                        crop_size={"height": height, "width": width})}
+    for directory, kw in calls.items():
+        pre = Preprocess.for_model(from_pretrained(directory, device="cpu"), image_size=size)
+        theirs = transformers.AutoImageProcessor.from_pretrained(directory)
+        for img in imgs:
+            want = theirs(img, return_tensors="pt", **kw)["pixel_values"][0]
+            assert want.shape == (3, height, width) and torch.equal(pre(img), want), directory.name
+
+    directory = save_timm(timm_model("vit_tiny_patch16_224", embed_dim=64, num_heads=2), tmp_path / "timm",
+                          pretrained_cfg=dict(input_size=[3, 32, 32], crop_pct=0.9, interpolation="bicubic"))
+    pre = Preprocess.for_model(from_pretrained(directory, device="cpu"), image_size=size)
+    pretrained_cfg = json.loads((directory / "config.json").read_text())["pretrained_cfg"]
+    theirs = timm.data.create_transform(**timm.data.resolve_data_config(
+        args={"input_size": (3, height, width)}, pretrained_cfg=pretrained_cfg))
+    for img in imgs:
+        assert pre(img).shape == (3, height, width) and torch.equal(pre(img), theirs(img))
+
+
+def test_for_model_at_a_size_the_model_does_not_take(tmp_path):
+    model = from_pretrained(save_hf(hf_model("ViTModel"), tmp_path), device="cpu")
+    with pytest.raises(ValueError, match="multiples of the patch size 8, got 24x30"):
+        Preprocess.for_model(model, image_size=(24, 30))
 
 
 def test_without_preprocessor_config_the_processor_defaults_at_the_model_size(tmp_path):

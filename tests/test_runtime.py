@@ -92,6 +92,22 @@ def test_tf32_replay_follows_weights_changed_in_place():
         torch.testing.assert_close(after, model(pixels), rtol=0, atol=0)
 
 
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a CUDA device")
+def test_replay_at_another_size_follows_pos_embed_changed_in_place():
+    # The warm-up calls resample the position table to 3 x 5 patches (the model's own grid is 5 x 5); the graph
+    # reads that table, which is resampled again, in place, before a replay once pos_embed has changed.
+    model = ViT(PRESETS["tiny"], device=DEVICE).eval()
+    runner = vit_triton.compile(model)
+    pixels = torch.randn(2, 3, 24, 40, device=DEVICE)
+    before = runner(pixels)
+    torch.testing.assert_close(before, model(pixels), rtol=0, atol=0)
+    with torch.no_grad():
+        model.pos_embed.mul_(1.5)
+    after = runner(pixels)
+    assert not torch.equal(after, before)
+    torch.testing.assert_close(after, model(pixels), rtol=0, atol=0)
+
+
 class CopyingThread(threading.Thread):
     """As a loader does: page-locked batches copied to the GPU on a stream of the thread's own (one of
     PyTorch's pooled streams). The caching host allocator then queries the copies' events when it hands

@@ -7,7 +7,7 @@ import os
 import sys
 import textwrap
 
-from .utils import MissingExtra, batch_sizes, natural_int, positive_int
+from .utils import MissingExtra, batch_sizes, image_size, natural_int, positive_int
 
 # --dtype names -> torch dtype names, as strings so that parsing the command line does not import torch
 # (torch_dtype gives the dtype, and takes bench's tf32 too).
@@ -153,6 +153,10 @@ several GPUs: torchrun --nproc-per-node N -m vit_triton embed INPUT --model M --
 
 
 def _add_runtime_options(p: argparse.ArgumentParser, batch_help: str) -> None:
+    p.add_argument("--image-size", type=image_size, default=None, metavar="N|HxW",
+                   help="run the model on images of this size, N x N or H x W pixels (multiples of the patch size), "
+                        "instead of the checkpoint's: its preprocessing makes them, and its position embedding is "
+                        "resampled as timm (dynamic_img_size) and transformers (interpolate_pos_encoding) do")
     p.add_argument("--batch-size", type=positive_int, default=None, help=batch_help)
     p.add_argument("--dtype", choices=list(DTYPES), default=None,
                    help="compute dtype of the model (default bf16 on a GPU, fp32 in the CPU interpreter)")
@@ -305,15 +309,17 @@ def _classify(args: argparse.Namespace) -> int:
     import json
 
     from .loaders import from_pretrained
-    from .pipelines import UsageError, classify
+    from .pipelines import UsageError, check_image_size, classify
 
     model = from_pretrained(args.model, device=args.device or ("cuda" if on_gpu else "cpu"),
                             dtype=torch_dtype(args.dtype or ("bf16" if on_gpu else "fp32")))
     if model.head is None:
         raise UsageError(f"--model {args.model} has no classification head ({model.checkpoint.architecture}): "
                          f"use vit-triton embed for its embeddings")
+    check_image_size(model, args.image_size)
     results, failed = [], 0
-    for result in classify(model, args.images, top_k=args.top_k, batch_size=args.batch_size or 8):
+    for result in classify(model, args.images, top_k=args.top_k, batch_size=args.batch_size or 8,
+                           image_size=args.image_size):
         if "error" in result:
             failed += 1
             print(f"vit-triton classify: cannot read {result['path']}: {result['error']}", file=sys.stderr)
@@ -336,7 +342,7 @@ def _embed(args: argparse.Namespace) -> int:
         model=args.model, input=args.input, output=args.output, batch_size=args.batch_size,
         num_workers=args.num_workers, chunk_size=args.chunk_size, normalize=args.normalize, tokens=args.tokens,
         dtype=args.dtype and torch_dtype(args.dtype), output_dtype=args.output_dtype, device=args.device,
-        overwrite=args.overwrite, progress=args.progress,
+        image_size=args.image_size, overwrite=args.overwrite, progress=args.progress,
     ))
     if summary is not None:  # rank 0
         this_run = "nothing to do"

@@ -48,6 +48,16 @@ def natural_int(text: str) -> int:
     return int(text)
 
 
+def image_size(text: str) -> tuple[int, int]:
+    """An --image-size value: N (a square) or HxW, positive integers, as (height, width)."""
+    match = re.fullmatch(r"\s*(\d+)\s*(?:[xX]\s*(\d+)\s*)?", text)
+    if not match or int(match.group(1)) < 1 or int(match.group(2) or 1) < 1:
+        raise argparse.ArgumentTypeError(f"expected an image size N or HxW (height x width, positive integers), "
+                                         f"got {text!r}")
+    height = int(match.group(1))
+    return height, int(match.group(2) or height)
+
+
 def batch_sizes(text: str) -> list[int]:
     """A --batch-sizes value: comma-separated positive integers, in order."""
     if not re.fullmatch(r"\d+(,\d+)*", text) or 0 in (sizes := [int(b) for b in text.split(",")]):

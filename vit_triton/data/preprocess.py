@@ -7,7 +7,8 @@ Two conventions, as the libraries implement them:
   `interpolate` (in uint8 where torchvision does so, else in float32 then rounded), center-cropped
   with the offset rounded down, and normalized as (x - mean/rescale) / (std/rescale) in float32.
 - timm (`create_transform(**resolve_data_config(...))`, the eval transform): Pillow resizes the
-  shorter side to floor(size / crop_pct) (crop_mode "center") or both sides ("squash"), the center
+  shorter side to floor(size / crop_pct) (crop_mode "center"; for a non-square size, the image just
+  covers floor(side / crop_pct) on both sides, aspect kept) or both sides ("squash"), the center
   crop offset is rounded to nearest, then (x / 255 - mean) / std in float32. OpenCLIP's eval transform
   is the same torchvision pipeline (its preprocess_cfg: the shorter side to the image size, or "squash").
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import math
 import platform
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import numpy as np
@@ -70,6 +71,8 @@ class Preprocess:
     """Image -> pixel tensor [C, H, W] as the checkpoint's own preprocessing makes it.
 
     resize: (height, width), or an int that the shorter side is resized to (aspect kept), or None.
+    keep_ratio: a (height, width) resize scales the image, aspect kept, by the least factor that makes it cover
+    that size, each side rounded (timm's ResizeKeepRatio, before a non-square center crop).
     crop: (height, width) of the center crop (zero-padded where the image is smaller), or None.
     rescale: the factor uint8 values are multiplied by (transformers; timm always divides by 255).
     mean, std: per-channel normalization after rescaling, or None for none.
@@ -82,6 +85,7 @@ class Preprocess:
     rescale: float | None
     mean: tuple[float, ...] | None
     std: tuple[float, ...] | None
+    keep_ratio: bool = False
 
     def __post_init__(self) -> None:
         if self.convention not in CONVENTIONS:
@@ -90,7 +94,7 @@ class Preprocess:
         if self.resample not in supported:
             raise ValueError(f"unsupported {self.convention} resample {self.resample!r}; supported: "
                              f"{', '.join(supported)}")
-        if self.crop is None and not isinstance(self.resize, tuple):
+        if self.crop is None and (not isinstance(self.resize, tuple) or self.keep_ratio):
             raise ValueError("preprocessing must give a fixed image size: resize to (height, width) or crop")
         if (self.mean is None) != (self.std is None):
             raise ValueError("mean and std go together")
@@ -142,16 +146,16 @@ class Preprocess:
         resolve_data_config does; missing entries take timm's defaults (input size: `image_size`)."""
         input_size = pretrained_cfg.get("input_size") or (3, image_size or 224, image_size or 224)
         height, width = input_size[-2:]
-        if height != width:
-            raise ValueError(f"non-square timm input_size {list(input_size)} is not supported")
         crop_pct = pretrained_cfg.get("crop_pct") or 0.875
         crop_mode = pretrained_cfg.get("crop_mode") or "center"
         if crop_mode not in TIMM_CROP_MODES:
             raise ValueError(f"unsupported timm crop_mode {crop_mode!r}; supported: {', '.join(TIMM_CROP_MODES)}")
-        scale = math.floor(height / crop_pct)
+        scale = (math.floor(height / crop_pct), math.floor(width / crop_pct))
+        center = crop_mode == "center"
         return cls(
             convention="timm",
-            resize=scale if crop_mode == "center" else (scale, scale),
+            resize=scale[0] if center and scale[0] == scale[1] else scale,
+            keep_ratio=center and scale[0] != scale[1],
             resample=pretrained_cfg.get("interpolation") or "bicubic",
             crop=(height, width),
             rescale=1 / 255,
@@ -160,43 +164,71 @@ class Preprocess:
         )
 
     @classmethod
-    def from_open_clip(cls, preprocess_cfg: dict, image_size: int) -> Preprocess:
+    def from_open_clip(cls, preprocess_cfg: dict, image_size: int | tuple[int, int]) -> Preprocess:
         """From OpenCLIP's preprocess_cfg (open_clip_config.json), as open_clip.image_transform builds its eval
-        transform: the shorter side resized to image_size and a center crop ("shortest"), or both sides
+        transform for image_size (an int or (height, width)): the shorter side resized to it and a center crop
+        ("shortest"; a non-square size: the least bicubic resize that covers it, aspect kept), or both sides
         ("squash"); then (x / 255 - mean) / std."""
         mode = preprocess_cfg.get("resize_mode") or "shortest"
         interpolation = preprocess_cfg.get("interpolation") or "bicubic"
         if mode not in OPEN_CLIP_RESIZE_MODES or interpolation not in ("bicubic", "bilinear"):
             raise ValueError(f"unsupported OpenCLIP resize_mode {mode!r} or interpolation {interpolation!r}; "
                              f"supported: {', '.join(OPEN_CLIP_RESIZE_MODES)}, and bicubic or bilinear")
+        size = _pair(image_size)
+        shortest, square = mode == "shortest", size[0] == size[1]
         return cls(
             convention="timm",
-            resize=image_size if mode == "shortest" else (image_size, image_size),
-            resample=interpolation,
-            crop=(image_size, image_size) if mode == "shortest" else None,
+            resize=size[0] if shortest and square else size,
+            keep_ratio=shortest and not square,
+            resample=interpolation if square or not shortest else "bicubic",
+            crop=size if shortest else None,
             rescale=1 / 255,
             mean=tuple(preprocess_cfg.get("mean") or OPENAI_CLIP_MEAN),
             std=tuple(preprocess_cfg.get("std") or OPENAI_CLIP_STD),
         )
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module) -> Preprocess:
-        """The preprocessing of the checkpoint a model was loaded from by vit_triton.from_pretrained."""
+    def for_model(cls, model: torch.nn.Module, image_size: int | tuple[int, int] | None = None) -> Preprocess:
+        """The preprocessing of the checkpoint a model was loaded from by vit_triton.from_pretrained.
+
+        image_size: an int or (height, width) to make images of that size instead of the checkpoint's (the model
+        runs any multiple of its patch size): timm's eval transform at input_size (C, height, width), as
+        resolve_data_config(args={"input_size": ...}) gives it (resize to the size / crop_pct, then center
+        crop); the transformers processor with crop_size {"height", "width"} and the resize scaled as the crop
+        is, side by side (an int resize as the crop's longer side), or, without a crop, size {"height", "width"}.
+        """
         info = getattr(model, "checkpoint", None)
         if info is None:
             raise ValueError("the model was not loaded by vit_triton.from_pretrained, so its preprocessing is "
                              "unknown: build one with Preprocess.from_hf or Preprocess.from_timm")
-        size = model.config.image_size
+        native = model.config.image_size
         if info.library == "timm":
-            pre = cls.from_timm(info.preprocessing, size)
+            config = info.preprocessing
+            if image_size is not None:
+                config = {**config, "input_size": (model.config.in_chans, *_pair(image_size))}
+            pre = cls.from_timm(config, native)
         elif info.library == "open_clip":
-            pre = cls.from_open_clip(info.preprocessing, size)
+            pre = cls.from_open_clip(info.preprocessing, native if image_size is None else image_size)
         else:
-            pre = cls.from_hf(info.preprocessing, info.architecture, size)
-        if pre.size != (size, size):
+            pre = cls.from_hf(info.preprocessing, info.architecture, native)
+            if image_size is not None:
+                pre = pre._hf_at(_pair(image_size))
+        if image_size is None and pre.size != (native, native):
             raise ValueError(f"the checkpoint's preprocessing gives {pre.size[0]}x{pre.size[1]} images but the model "
-                             f"takes {size}x{size}")
+                             f"takes {native}x{native}")
+        model.grid(*pre.size)   # a size the model runs: multiples of its patch size
         return pre
+
+    def _hf_at(self, size: tuple[int, int]) -> Preprocess:
+        """This transformers preprocessing making `size` images: the crop becomes `size` and the resize is scaled
+        as the crop is (floor), or without a crop the resize becomes `size`."""
+        if self.crop is None:
+            return replace(self, resize=size)
+        if isinstance(self.resize, tuple):
+            resize = tuple(r * new // old for r, new, old in zip(self.resize, size, self.crop))
+        else:
+            resize = self.resize * max(size) // max(self.crop)
+        return replace(self, resize=resize, crop=size)
 
     # -- applying it --
 
@@ -204,15 +236,15 @@ class Preprocess:
         """Resize and center-crop a decoded image: uint8 [C, H, W], contiguous."""
         if self.convention == "timm":
             if self.resize is not None:
-                h, w = _resized_size(image.height, image.width, self.resize)
+                h, w = _resized_size(image.height, image.width, self.resize, self.keep_ratio)
                 if (h, w) != (image.height, image.width):
                     image = image.resize((w, h), _PIL_FILTERS[self.resample])
             pixels = _to_uint8_chw(image)
         else:
             pixels = _to_uint8_chw(image)
             if self.resize is not None:
-                pixels = _resize_like_torchvision(pixels, _resized_size(*pixels.shape[-2:], self.resize),
-                                                  self.resample)
+                pixels = _resize_like_torchvision(pixels, _resized_size(*pixels.shape[-2:], self.resize,
+                                                                        self.keep_ratio), self.resample)
         if self.crop is not None:
             # timm (torchvision.transforms.CenterCrop) rounds the offset; transformers truncates it.
             pixels = _center_crop(pixels, self.crop, round if self.convention == "timm" else int)
@@ -250,7 +282,15 @@ def _hf_size(size, name: str, shortest_edge_ok: bool = False) -> tuple[int, int]
                      f"{{'height', 'width'}}" + (", {'shortest_edge'}" if shortest_edge_ok else ""))
 
 
-def _resized_size(height: int, width: int, size: tuple[int, int] | int) -> tuple[int, int]:
+def _pair(size: int | tuple[int, int]) -> tuple[int, int]:
+    """An image size given as an int (a square) or (height, width), as (height, width)."""
+    return (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
+
+
+def _resized_size(height: int, width: int, size: tuple[int, int] | int, keep_ratio: bool) -> tuple[int, int]:
+    if keep_ratio:   # timm's ResizeKeepRatio: the least scale that covers `size`
+        ratio = min(height / size[0], width / size[1])
+        return round(height / ratio), round(width / ratio)
     if isinstance(size, tuple):
         return size
     # The shorter side becomes `size`, the longer one is truncated (torchvision, transformers alike).

@@ -32,6 +32,9 @@ ARCHITECTURES = {
     "ViTMAEModel": "vit_mae", "ViTMAEForPreTraining": "vit_mae",
 }
 HF_ARCHITECTURES = tuple(ARCHITECTURES)
+# How each resamples its position embedding for another input size (interpolate_pos_encoding); the rest: bicubic
+# in the table's dtype.
+_POS_RESAMPLES = {"dinov2": "bicubic_float32", "dinov2_with_registers": "bicubic_float32_antialias"}
 # What each returns as the image embedding (ViT.embedding): CLIP's projected class token where it has one.
 _PROJECTED = ("CLIPVisionModelWithProjection", "CLIPModel")
 
@@ -104,7 +107,8 @@ def hf_config_to_vit(config: dict, num_classes: int = 0, head_dist: bool = False
                          "output)")
     d = config["hidden_size"]
     return ViTConfig(
-        image_size=square(config["image_size"], "image_size"), patch_size=square(config["patch_size"], "patch_size"),
+        image_size=square(config["image_size"], "image_size"),
+        patch_size=square(config["patch_size"], "patch_size"),
         in_chans=config.get("num_channels", 3), embed_dim=d, depth=config["num_hidden_layers"],
         num_heads=config["num_attention_heads"],
         mlp_dim=int(d * config.get("mlp_ratio", 4)) if dinov2 else config["intermediate_size"],
@@ -115,7 +119,7 @@ def hf_config_to_vit(config: dict, num_classes: int = 0, head_dist: bool = False
         patch_bias=not clip, pre_norm=clip, fc_norm=clip,   # CLIP normalizes only the pooled class token
         pool="map" if siglip else "token",
         num_classes=num_classes, dist_token=model_type == "deit", head_dist=head_dist,
-        proj_dim=config["projection_dim"] if projection else 0,
+        proj_dim=config["projection_dim"] if projection else 0, pos_resample=_POS_RESAMPLES.get(model_type, "bicubic"),
     )
 
 

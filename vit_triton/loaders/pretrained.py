@@ -141,7 +141,11 @@ def _timm_config(architecture: str, config: dict, sd: dict) -> ViTConfig:
     prefix = int(class_token) + int(dist_token) + reg_tokens
     pos = sd["pos_embed"].shape[1] if "pos_embed" in sd else 0
     size = args.get("img_size") or (config.get("pretrained_cfg") or {}).get("input_size", [None])[-1]
-    size = size[-1] if isinstance(size, (list, tuple)) else size
+    if isinstance(size, (list, tuple)):
+        if size[-2] != size[-1]:
+            raise ValueError(f"unsupported non-square img_size {list(size[-2:])} in {architecture}: the checkpoint's "
+                             f"own grid must be square (inputs of any size run)")
+        size = size[-1]
     if size:
         pos_embed_prefix = pos != (size // patch) ** 2 or not prefix
     else:  # the grid is square: of pos and pos - prefix, the square one is the patch count
@@ -165,6 +169,7 @@ def _timm_config(architecture: str, config: dict, sd: dict) -> ViTConfig:
         pos_embed_prefix=pos_embed_prefix, patch_bias="patch_embed.proj.bias" in sd,
         pre_norm="norm_pre.weight" in sd, final_norm="norm.weight" in sd or "fc_norm.weight" in sd,
         fc_norm="fc_norm.weight" in sd, pool=pool, num_classes=num_classes, head_dist="head_dist.weight" in sd,
+        pos_resample="bicubic_float32_antialias",
     )
 
 

@@ -72,11 +72,11 @@ def timm_config_to_vit(module: nn.Module) -> ViTConfig:
         f"MLP type {type(block.mlp).__name__} (supported: Mlp)": type(block.mlp).__name__ != "Mlp",
         f"norm layer {', '.join(sorted(other_norms))} (supported: LayerNorm)": bool(other_norms),
         "proj_bias=False (projections without bias)": block.attn.proj.bias is None or block.mlp.fc2.bias is None,
-        "dynamic_img_size": getattr(module, "dynamic_img_size", False),
         "no position embedding": module.pos_embed is None,
         "a norm layer in the patch embedding": not isinstance(getattr(pe, "norm", nn.Identity()), nn.Identity),
         "pool_include_prefix": getattr(module, "pool_include_prefix", False),
-        "non-square images or patches": pe.img_size[0] != pe.img_size[1] or pe.patch_size[0] != pe.patch_size[1],
+        "a non-square img_size or patch_size (the checkpoint's own grid must be square; inputs of any size run)":
+        pe.img_size[0] != pe.img_size[1] or pe.patch_size[0] != pe.patch_size[1],
     }
     found = [what for what, present in unsupported.items() if present]
     if found:
@@ -91,6 +91,7 @@ def timm_config_to_vit(module: nn.Module) -> ViTConfig:
         final_norm=_is_layer_norm(module.norm) or _is_layer_norm(module.fc_norm),
         fc_norm=_is_layer_norm(module.fc_norm), pool=module.global_pool, num_classes=module.num_classes,
         dist_token=distilled, head_dist=distilled and module.num_classes > 0,
+        pos_resample="bicubic_float32_antialias",   # resample_abs_pos_embed, as dynamic_img_size runs it
     )
 
 

@@ -6,6 +6,8 @@ from dataclasses import asdict, dataclass
 
 POOLS = ("token", "avg", "map")
 ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu")   # the MLP's, each one of the linear kernel's epilogues
+# How the position table is resampled to another patch grid, as each library does it (model/pos_embed.py).
+POS_RESAMPLES = ("bicubic_float32_antialias", "bicubic_float32", "bicubic")
 
 
 @dataclass(frozen=True)
@@ -20,6 +22,11 @@ class ViTConfig:
     projection has no bias (patch_bias=False). dist_token adds DeiT's distillation token right after
     the class token; head_dist gives it a classifier of its own, whose logits are averaged with the
     head's, and makes the pooled embedding the mean of the two tokens (DeiT distilled, as timm).
+    pos_resample: how the position embedding of the patches is resampled for images of another size than
+    image_size, bicubically (align_corners=False) as the checkpoint's library does: "bicubic_float32_antialias"
+    in float32 and antialiased (timm's resample_abs_pos_embed; transformers' Dinov2WithRegisters),
+    "bicubic_float32" in float32 (transformers' Dinov2), "bicubic" in the table's own dtype (transformers' ViT,
+    DeiT, CLIP, SigLIP, ViTMAE).
     """
 
     image_size: int = 224
@@ -44,6 +51,7 @@ class ViTConfig:
     num_classes: int = 0
     head_dist: bool = False
     proj_dim: int = 0
+    pos_resample: str = "bicubic_float32_antialias"
 
     def __post_init__(self) -> None:
         if self.image_size % self.patch_size:
@@ -56,6 +64,8 @@ class ViTConfig:
             raise ValueError(f"act must be one of {ACTIVATIONS}, got {self.act!r}")
         if self.pool not in POOLS:
             raise ValueError(f"pool must be one of {POOLS}, got {self.pool!r}")
+        if self.pos_resample not in POS_RESAMPLES:
+            raise ValueError(f"pos_resample must be one of {POS_RESAMPLES}, got {self.pos_resample!r}")
         if self.pool == "token" and not self.class_token:
             raise ValueError("pool 'token' needs class_token=True")
         if self.fc_norm and not self.final_norm:
@@ -77,6 +87,12 @@ class ViTConfig:
     def embedding_dim(self) -> int:
         """Width of the image embedding (ViT.embedding): the projection's, else the tokens'."""
         return self.proj_dim or self.embed_dim
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        """The patch grid (rows, columns) of image_size images, the one pos_embed is stored at."""
+        side = self.image_size // self.patch_size
+        return side, side
 
     @property
     def num_patches(self) -> int:

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import ViTConfig
+from .pos_embed import resample
 
 
 def activation(x: torch.Tensor, act: str) -> torch.Tensor:
@@ -21,18 +22,22 @@ def activation(x: torch.Tensor, act: str) -> torch.Tensor:
 
 def reference_forward(cfg: ViTConfig, params: dict[str, torch.Tensor], pixels: torch.Tensor,
                       features_only: bool = False) -> torch.Tensor:
-    """forward_features (features_only) or forward of a ViT with parameters `params` (state dict)."""
+    """forward_features (features_only) or forward of a ViT with parameters `params` (state dict), for pixels of
+    any size the model takes (its position embedding resampled as pos_embed.resample does)."""
     p = params
     d, eps = cfg.embed_dim, cfg.norm_eps
+    grid = (pixels.shape[2] // cfg.patch_size, pixels.shape[3] // cfg.patch_size)
+    pos = resample(p["pos_embed"], cfg.num_prefix_tokens if cfg.pos_embed_prefix else 0, cfg.grid, grid,
+                   cfg.pos_resample)
     x = F.conv2d(pixels.to(p["pos_embed"].dtype), p["patch_embed.weight"], p.get("patch_embed.bias"),
                  stride=cfg.patch_size).flatten(2).transpose(1, 2)
     batch = x.shape[0]
     if not cfg.pos_embed_prefix:
-        x = x + p["pos_embed"]
+        x = x + pos
     if cfg.num_prefix_tokens:
         x = torch.cat([p["prefix_tokens"].expand(batch, -1, -1), x], dim=1)
     if cfg.pos_embed_prefix:
-        x = x + p["pos_embed"]
+        x = x + pos
     if cfg.pre_norm:
         x = F.layer_norm(x, (d,), p["norm_pre.weight"], p["norm_pre.bias"], eps)
     for i in range(cfg.depth):

@@ -3,6 +3,9 @@
 Parameter names follow timm (patch_embed, blocks.i.qkv, blocks.i.fc1, norm, head, ...) except
 that the prefix tokens (class, distillation, then registers) are one tensor, prefix_tokens [P0, D], and
 position embeddings are [T_pos, D] without timm's leading batch dimension.
+
+Images of any height and width that are multiples of the patch size run: the position embedding is resampled
+to their patch grid as the checkpoint's library does it (pos_embed.py, ViTConfig.pos_resample).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from ..ops import ResidualStream, fused_attention, patch_embed, token_mean
 from .attention_pool import AttentionPool
 from .config import ViTConfig
 from .layers import LayerNorm, Linear
+from .pos_embed import ResampledTables
 
 
 class PatchEmbed(nn.Module):
@@ -65,6 +69,8 @@ class ViT(nn.Module):
         pos_len = cfg.num_tokens if cfg.pos_embed_prefix else cfg.num_patches
         self.pos_embed = nn.Parameter(torch.empty(pos_len, d, **factory))
         nn.init.trunc_normal_(self.pos_embed, std=0.02)
+        self.pos_tables = ResampledTables(cfg.num_prefix_tokens if cfg.pos_embed_prefix else 0, cfg.grid,
+                                          cfg.pos_resample)
         self.prefix_tokens = (
             nn.Parameter(torch.zeros(cfg.num_prefix_tokens, d, **factory)) if cfg.num_prefix_tokens else None
         )
@@ -80,31 +86,45 @@ class ViT(nn.Module):
         if cfg.depth:   # the final norm adds the last fc2's sum, if there is one
             self.blocks[-1].defer_fc2 = self.norm is not None
 
-    def _check_pixels(self, pixels: torch.Tensor) -> None:
+    def grid(self, height: int, width: int) -> tuple[int, int]:
+        """The patch grid (rows, columns) of height x width images; ValueError unless both sides are positive
+        multiples of the patch size."""
+        p = self.config.patch_size
+        if height < p or width < p or height % p or width % p:
+            raise ValueError(f"image height and width must be positive multiples of the patch size {p}, got "
+                             f"{height}x{width}")
+        return height // p, width // p
+
+    def refresh_pos_embed(self) -> None:
+        """Resamples again, in place, the kept position tables of other grids that pos_embed changed since: a
+        CUDA graph reads them where they were (CUDAGraphRunner calls this before each replay)."""
+        self.pos_tables.refresh(self.pos_embed)
+
+    def _check_pixels(self, pixels: torch.Tensor) -> tuple[int, int]:
+        """The patch grid of `pixels`, after checking them."""
         cfg = self.config
-        size = cfg.image_size
-        expected = f"[B, {cfg.in_chans}, {size}, {size}]"
+        expected = f"[B, {cfg.in_chans}, H, W]"
         if pixels.dim() != 4:
             raise ValueError(f"pixels must be 4-D {expected}, got shape {tuple(pixels.shape)}")
         if pixels.shape[1] != cfg.in_chans:
             raise ValueError(f"pixels must have {cfg.in_chans} channels {expected}, got shape {tuple(pixels.shape)}")
-        if tuple(pixels.shape[2:]) != (size, size):
-            raise ValueError(f"image size must be {size}x{size} {expected}, got "
-                             f"{pixels.shape[2]}x{pixels.shape[3]}")
+        grid = self.grid(pixels.shape[2], pixels.shape[3])
         dtype = self.pos_embed.dtype
         if pixels.dtype not in (torch.float32, dtype):
             raise ValueError(f"pixels must be float32 or {dtype} (the model's dtype), got {pixels.dtype}")
         if pixels.device != self.pos_embed.device:
             raise ValueError(f"pixels must be on the model's device {self.pos_embed.device}, got {pixels.device}")
+        return grid
 
     def forward_features(self, pixels: torch.Tensor) -> torch.Tensor:
-        """Tokens [B, T, D] after the blocks and the final norm (HF last_hidden_state)."""
-        self._check_pixels(pixels)
+        """Tokens [B, T, D] after the blocks and the final norm (HF last_hidden_state), for pixels [B, C, H, W] of
+        any H and W that are multiples of the patch size."""
+        grid = self._check_pixels(pixels)
         cfg = self.config
         if pixels.shape[0] == 0:   # no image: no kernel has a program to run
-            return self.pos_embed.new_empty(0, cfg.num_tokens, cfg.embed_dim)
+            return self.pos_embed.new_empty(0, cfg.num_prefix_tokens + grid[0] * grid[1], cfg.embed_dim)
         pe = self.patch_embed
-        tokens = patch_embed(pixels, pe.weight, pe.bias, self.pos_embed, self.prefix_tokens)
+        tokens = patch_embed(pixels, pe.weight, pe.bias, self.pos_tables(self.pos_embed, grid), self.prefix_tokens)
         batch, num_tokens, d = tokens.shape
         x = tokens.view(batch * num_tokens, d)
         if self.norm_pre is not None:

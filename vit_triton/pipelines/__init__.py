@@ -5,6 +5,6 @@ These sit below data/ in the layers (they use decoding, preprocessing and the lo
 
 from .classify import classify
 from .embed import EmbedOptions, embed, embed_images
-from .store import Summary, UsageError
+from .store import Summary, UsageError, check_image_size
 
-__all__ = ["EmbedOptions", "Summary", "UsageError", "classify", "embed", "embed_images"]
+__all__ = ["EmbedOptions", "Summary", "UsageError", "check_image_size", "classify", "embed", "embed_images"]

@@ -12,12 +12,14 @@ from ..data.files import ImageFiles
 
 
 def classify(model, paths: list[str], *, top_k: int = 5, batch_size: int = 8,
-             preprocess: Preprocess | None = None) -> Iterator[dict]:
+             preprocess: Preprocess | None = None, image_size: int | tuple[int, int] | None = None) -> Iterator[dict]:
     """For each path, in order: {"path", "predictions": [{"index", "label", "probability"}, ...]}
-    (top_k by softmax probability), or {"path", "error": reason} for a file that cannot be read."""
+    (top_k by softmax probability), or {"path", "error": reason} for a file that cannot be read. Without
+    `preprocess`, the checkpoint's own, for images of image_size (an int or (height, width); default the
+    checkpoint's size) as Preprocess.for_model makes it."""
     if model.head is None:
         raise ValueError("the model has no classification head")
-    pre = preprocess or Preprocess.for_model(model)
+    pre = preprocess or Preprocess.for_model(model, image_size)
     id2label = getattr(getattr(model, "checkpoint", None), "id2label", {})
     device = model.pos_embed.device
     dataset = ImageFiles(paths, pre)

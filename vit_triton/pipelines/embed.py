@@ -31,7 +31,7 @@ from ..data import Preprocess, UnreadableImage, load_image
 from ..data.files import Batch, ImageFiles, list_inputs, worker_init
 from ..loaders import from_pretrained
 from ..runtime import CUDAGraphRunner
-from .store import ChunkStore, Summary, UsageError
+from .store import ChunkStore, Summary, UsageError, check_image_size
 
 OUTPUT_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
@@ -49,6 +49,7 @@ class EmbedOptions:
     dtype: torch.dtype | None = None     # default: bfloat16 on a GPU, float32 in the interpreter
     output_dtype: str = "float32"
     device: str | None = None
+    image_size: tuple[int, int] | None = None   # default: the checkpoint's
     overwrite: bool = False
     progress: bool | None = None         # default: when stderr is a terminal
 
@@ -100,13 +101,14 @@ class _InFlight:
 
 
 def embed_images(model, images: list, *, batch_size: int = 32, normalize: bool = False,
-                 preprocess: Preprocess | None = None) -> torch.Tensor:
+                 preprocess: Preprocess | None = None, image_size: int | tuple[int, int] | None = None) -> torch.Tensor:
     """The pooled embeddings [N, D] that `vit-triton embed` writes, float32 on the CPU, of `images` in order:
     paths (decoded as embed decodes them) or PIL images. A file that cannot be read raises UnreadableImage
-    naming it: a tensor has no row to skip."""
+    naming it: a tensor has no row to skip. Without `preprocess`, the checkpoint's own, for images of
+    image_size (an int or (height, width); default the checkpoint's size) as Preprocess.for_model makes it."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-    pre = preprocess or Preprocess.for_model(model)
+    pre = preprocess or Preprocess.for_model(model, image_size)
     mode = "L" if pre.channels == 1 else "RGB"
     outputs = embedding_fn(model, pre, normalize, False, torch.float32)
     rows = [torch.empty(0, model.config.embedding_dim)]
@@ -249,14 +251,16 @@ def _embed(opts: EmbedOptions, rank: int, world: int, local_rank: int, log) -> S
         if value < least:
             raise UsageError(f"{name} must be at least {least}, got {value}")
     settings = {"model": opts.model, "input": opts.input, "chunk_size": chunk_size, "normalize": opts.normalize,
-                "tokens": opts.tokens, "dtype": str(dtype).removeprefix("torch."), "output_dtype": opts.output_dtype}
+                "tokens": opts.tokens, "dtype": str(dtype).removeprefix("torch."), "output_dtype": opts.output_dtype,
+                "image_size": list(opts.image_size) if opts.image_size else None}
     store = ChunkStore(opts.output, settings)
     with ExitStack() as held:
         # One run at a time into an output (two would take each other's chunks and temporary files): rank 0
         # holds the lock for every rank of this run until it ends, and a second run is refused before loading.
         _from_rank0(lambda: held.enter_context(store.lock()), rank, world)
         model = from_pretrained(opts.model, device=device, dtype=dtype)
-        pre = Preprocess.for_model(model)
+        check_image_size(model, opts.image_size)
+        pre = Preprocess.for_model(model, opts.image_size)
 
         # Rank 0 decides; everyone gets its decision (or its error, to exit the same way).
         inputs = None
@@ -318,7 +322,8 @@ def _run(model, pre: Preprocess, inputs: list[str], chunks: dict[int, range], st
     cfg = model.config
     empty = [torch.empty(0, cfg.embedding_dim, dtype=out_dtype)]
     if opts.tokens:
-        empty.append(torch.empty(0, cfg.num_tokens, cfg.embed_dim, dtype=out_dtype))
+        rows, cols = model.grid(*pre.size)
+        empty.append(torch.empty(0, cfg.num_prefix_tokens + rows * cols, cfg.embed_dim, dtype=out_dtype))
     total = sum(len(r) for r in chunks.values())
     show = opts.progress if opts.progress is not None else sys.stderr.isatty()
     desc = "embed" if world == 1 else f"embed (rank 0 of {world})"

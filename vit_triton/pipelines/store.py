@@ -49,6 +49,15 @@ class UsageError(ValueError):
     """A problem with what the command was asked to do (exit status 2), not with running it."""
 
 
+def check_image_size(model, size: tuple[int, int] | None) -> None:
+    """UsageError unless the model runs images of --image-size `size` (height, width), if one was given."""
+    if size is not None:
+        try:
+            model.grid(*size)
+        except ValueError as e:
+            raise UsageError(f"--image-size {size[0]}x{size[1]}: {e}") from None
+
+
 @dataclass(frozen=True)
 class Summary:
     output: Path

@@ -7,7 +7,8 @@ that run Triton's tuning outside the capture, the forward becomes one graph laun
 input buffer. Graphs share one memory pool, so replays are serialised by a lock: a runner is safe to
 call from several threads of a serving loop. A graph reads the weights where they lie, so in-place
 weight updates reach it; with tf32 it reads their rounded copies, which are brought up to date before
-each replay (kernels/tf32.py).
+each replay (kernels/tf32.py), and so are the position tables resampled for images of another size than the
+checkpoint's (model/pos_embed.py): the warm-up calls resample them, the graph reads them where they are.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class CUDAGraphRunner:
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, object]] = {}
         self._pool = None
         self._lock = threading.Lock()
+        self._vits = [m for m in model.modules() if isinstance(m, ViT)]   # whose position tables to refresh
 
     def capture(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         """Warm up (autotune) and capture the forward for inputs of this shape and dtype."""
@@ -90,6 +92,8 @@ class CUDAGraphRunner:
                 self._capture(tuple(pixels.shape), pixels.dtype, pixels.device)
             graph, static_in, static_out = self._graphs[key]
             refresh_copies()
+            for vit in self._vits:
+                vit.refresh_pos_embed()
             static_in.copy_(pixels)
             graph.replay()
             if isinstance(static_out, torch.Tensor):

@@ -1,0 +1,76 @@
+"""Position embeddings at any patch grid: the table stored for the checkpoint's grid, resampled to another one
+the way the checkpoint's library resamples it, so that the model gives the library's output at any image size.
+
+This is PyTorch code that runs once per grid: `ResampledTables` keeps each resampled table until pos_embed
+changes, and the forward passes it to the patch_embed kernel, which adds it in its epilogue.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def resample(table: torch.Tensor, prefix: int, old_grid: tuple[int, int], new_grid: tuple[int, int],
+             style: str) -> torch.Tensor:
+    """The position table [prefix + rows * cols, D] of patch grid old_grid (rows, cols) for new_grid: the first
+    `prefix` rows (the prefix tokens') as they are, then the patch rows, seen as a [D, rows, cols] image, resized
+    by F.interpolate(mode="bicubic", align_corners=False) as `style` (ViTConfig.pos_resample) says: in float32
+    and antialiased, in float32, or in the table's dtype, the result in the table's dtype. At its own grid, the
+    table itself."""
+    if tuple(new_grid) == tuple(old_grid):
+        return table
+    dim = table.shape[-1]
+    patches = table[prefix:].reshape(1, *old_grid, dim).permute(0, 3, 1, 2)
+    if style != "bicubic":
+        patches = patches.float()
+    patches = F.interpolate(patches, size=tuple(new_grid), mode="bicubic", align_corners=False,
+                            antialias=style == "bicubic_float32_antialias")
+    patches = patches.to(table.dtype).permute(0, 2, 3, 1).reshape(-1, dim)
+    return torch.cat([table[:prefix], patches])
+
+
+def _state(table: torch.Tensor) -> tuple:
+    """What tells that a table changed: its memory, dtype and device, and its version counter (an inference
+    tensor has none: only a new tensor is seen)."""
+    return table.data_ptr(), table.dtype, table.device, None if table.is_inference() else table._version
+
+
+class ResampledTables:
+    """A model's position table at every patch grid the model was run at, each resampled once and kept until the
+    table changes (in place or for another tensor), then resampled again into the same memory, where a CUDA
+    graph captured with it reads it."""
+
+    def __init__(self, prefix: int, grid: tuple[int, int], style: str) -> None:
+        """prefix: the rows of the prefix tokens; grid: the table's own patch grid; style: ViTConfig.pos_resample."""
+        self.prefix, self.grid, self.style = prefix, tuple(grid), style
+        self.tables: dict[tuple[int, int], tuple[torch.Tensor, tuple]] = {}
+
+    def __call__(self, table: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+        """`table` for patch grid `grid`: itself at its own grid, else its kept resampling, brought up to date."""
+        grid = tuple(grid)
+        if grid == self.grid:
+            return table
+        if torch.compiler.is_compiling():   # part of the compiled graph: no Python state to keep
+            return resample(table, self.prefix, self.grid, grid, self.style)
+        kept = self.tables.get(grid)
+        if kept is None or kept[1] != _state(table):
+            return self._resample(table, grid)
+        return kept[0]
+
+    def refresh(self, table: torch.Tensor) -> None:
+        """Resamples again every kept table that `table` changed since (CUDAGraphRunner does it before a replay)."""
+        for grid, (_, state) in list(self.tables.items()):
+            if state != _state(table):
+                self._resample(table, grid)
+
+    def _resample(self, table: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+        # A normal tensor, without autograd history, even when called in inference mode or on a parameter.
+        with torch.inference_mode(False), torch.no_grad():
+            new = resample(table, self.prefix, self.grid, grid, self.style)
+            kept = self.tables.get(grid)
+            if kept is not None and (kept[0].shape, kept[0].dtype, kept[0].device) == (new.shape, new.dtype,
+                                                                                           new.device):
+                new = kept[0].copy_(new)
+        self.tables[grid] = (new, _state(table))
+        return new
