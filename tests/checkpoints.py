@@ -34,18 +34,21 @@ def hf_model(cls_name: str, seed: int = 0, **kw) -> torch.nn.Module:
 
 def family_outputs(model, pixels):
     """A transformers DINOv2, CLIP, SigLIP or ViT-MAE encoder's last_hidden_state, the image embedding its library
-    defines, and the pooled features before a projection."""
+    defines, and the pooled features before a projection; at any input size, as each resamples its position
+    embedding (interpolate_pos_encoding; DINOv2 always does)."""
     import transformers
 
+    any_size = {} if type(model).__name__.startswith("Dinov2") else {"interpolate_pos_encoding": True}
+
     if isinstance(model, transformers.ViTMAEModel):   # no masking: mask_ratio 0 and the patches kept in order
-        grid = model.config.image_size // model.config.patch_size
-        noise = torch.arange(grid * grid, device=pixels.device).expand(len(pixels), -1)
-        features = model(pixels, noise=noise.to(pixels.dtype)).last_hidden_state
+        patches = (pixels.shape[2] // model.config.patch_size) * (pixels.shape[3] // model.config.patch_size)
+        noise = torch.arange(patches, device=pixels.device).expand(len(pixels), -1)
+        features = model(pixels, noise=noise.to(pixels.dtype), **any_size).last_hidden_state
         return features, features[:, 0], features[:, 0]
     if isinstance(model, (transformers.CLIPModel, transformers.CLIPVisionModelWithProjection)):
-        out = model.vision_model(pixels)
+        out = model.vision_model(pixels, **any_size)
         return out.last_hidden_state, model.visual_projection(out.pooler_output), out.pooler_output
-    out = model.vision_model(pixels) if isinstance(model, transformers.SiglipModel) else model(pixels)
+    out = (model.vision_model if isinstance(model, transformers.SiglipModel) else model)(pixels, **any_size)
     return out.last_hidden_state, out.pooler_output, out.pooler_output
 
 

@@ -89,10 +89,12 @@ def _family_model(family: str) -> torch.nn.Module:
     return cls(config_cls(**TINY_VISION, **kw))
 
 
+@pytest.mark.parametrize("size", [24, (24, 40)])   # the checkpoint's 3 x 3 patches, and 3 x 5 resampled
 @pytest.mark.parametrize("family, dtype", [(f, torch.float32) for f in FAMILIES]
-                         + [(f, torch.bfloat16) for f in ("dinov2", "clip-projection", "siglip")])
-def test_from_hf_families_match_transformers(family, dtype):
-    _check_parity(_family_model(family), family_outputs, from_hf, dtype)
+                         + [(f, torch.bfloat16) for f in ("dinov2", "dinov2-registers", "clip-projection", "siglip",
+                                                         "vit-mae")])
+def test_from_hf_families_match_transformers(family, dtype, size):
+    _check_parity(_family_model(family), family_outputs, from_hf, dtype, size)
 
 
 def test_hf_families_return_what_their_users_want():
@@ -218,6 +220,8 @@ TIMM_ANY_SIZE = {
     "token-registers": dict(reg_tokens=2, num_classes=50),
     "avg-registers-no_embed_class": dict(reg_tokens=1, no_embed_class=True, global_pool="avg", fc_norm=True,
                                          num_classes=50),
+    "dinov2-layer-scale-registers": dict(init_values=0.5, reg_tokens=4, no_embed_class=True, num_classes=0),
+    "siglip-map": dict(class_token=False, global_pool="map", num_classes=0),
 }
 
 
