@@ -1,14 +1,16 @@
 """Parity on a CUDA device at real model shapes, with random weights.
 
-google/vit-base-patch16-224 (HF ViTForImageClassification) and vit_large_patch14_clip_336 (timm),
-float32 (tf32 off) / tf32 (float32 with every matmul, ours and the reference's, on tf32) / bfloat16 /
+google/vit-base-patch16-224 (HF ViTForImageClassification), vit_large_patch14_clip_336 (timm), and the
+families at their real shapes through transformers: DINOv2 ViT-L/14 with registers (518 px, run at 224: the
+position embedding resampled), CLIP ViT-L/14 @ 336 with its projection, SigLIP SO400M/14 @ 384 (head dim 72,
+attention pool); float32 (tf32 off) / tf32 (float32 with every matmul, ours and the reference's, on tf32) / bfloat16 /
 float16, batch 1 and 64. Features and outputs of vit-triton and of the reference model in each
 precision are compared with the reference model in float64; the tolerance rule of docs/design.md applies (fp32 <= 1e-5,
 16-bit and tf32 <= 1.5x the reference's own error). Each row also
 times both forwards (median, CUDA events; ours replayed as a CUDA graph, after checking that the
 replay equals the eager forward bit for bit) as a first look; `vit-triton bench` is the benchmark.
 
-    python scripts/gpu_check.py [--json results.json] [--models vit-base,clip-large]
+    python scripts/gpu_check.py [--json results.json] [--models vit-base,clip-large,dinov2-large,...]
         [--precisions float32,tf32,bfloat16,float16] [--batches 1,64]
 """
 
@@ -35,20 +37,56 @@ def _random(module: torch.nn.Module) -> torch.nn.Module:
     return randomize_(module).eval()
 
 
-def hf_vit_base() -> tuple[str, torch.nn.Module, callable, callable]:
+def hf_vit_base() -> tuple[str, torch.nn.Module, callable, callable, int]:
     from transformers import ViTConfig, ViTForImageClassification
 
     ref = _random(ViTForImageClassification(ViTConfig(num_labels=1000)))  # google/vit-base-patch16-224's config
     return ("google/vit-base-patch16-224", ref, vit_triton.from_hf,
-            lambda m, px: (m.vit(px).last_hidden_state, m(px).logits))
+            lambda m, px: (m.vit(px).last_hidden_state, m(px).logits), 224)
 
 
-def timm_clip_large() -> tuple[str, torch.nn.Module, callable, callable]:
+def timm_clip_large() -> tuple[str, torch.nn.Module, callable, callable, int]:
     import timm
 
     ref = _random(timm.create_model("vit_large_patch14_clip_336", pretrained=False))
     return ("vit_large_patch14_clip_336", ref, vit_triton.from_timm,
-            lambda m, px: (f := m.forward_features(px), m.forward_head(f)))
+            lambda m, px: (f := m.forward_features(px), m.forward_head(f)), 336)
+
+
+def _hf_family(name: str, model: torch.nn.Module, size: int) -> tuple[str, torch.nn.Module, callable, callable, int]:
+    """A transformers vision encoder: last_hidden_state and the image embedding (pooler_output, projected
+    where the model has a projection), at `size` (position embedding resampled when it is not the model's)."""
+    kw = {} if type(model).__name__.startswith("Dinov2") else {"interpolate_pos_encoding": True}
+
+    def run(m, px):
+        out = (m.vision_model if hasattr(m, "visual_projection") else m)(px, **kw)
+        pooled = out.pooler_output
+        return out.last_hidden_state, m.visual_projection(pooled) if hasattr(m, "visual_projection") else pooled
+    return name, _random(model), vit_triton.from_hf, run, size
+
+
+def hf_dinov2_large() -> tuple[str, torch.nn.Module, callable, callable, int]:
+    from transformers import Dinov2WithRegistersConfig, Dinov2WithRegistersModel
+
+    config = Dinov2WithRegistersConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, patch_size=14,
+                                       image_size=518, num_register_tokens=4)
+    return _hf_family("facebook/dinov2-with-registers-large @ 224", Dinov2WithRegistersModel(config), 224)
+
+
+def hf_clip_large() -> tuple[str, torch.nn.Module, callable, callable, int]:
+    from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
+
+    config = CLIPVisionConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                              patch_size=14, image_size=336, projection_dim=768)
+    return _hf_family("openai/clip-vit-large-patch14-336", CLIPVisionModelWithProjection(config), 336)
+
+
+def hf_siglip_so400m() -> tuple[str, torch.nn.Module, callable, callable, int]:
+    from transformers import SiglipVisionConfig, SiglipVisionModel
+
+    config = SiglipVisionConfig(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
+                                patch_size=14, image_size=384)
+    return _hf_family("google/siglip-so400m-patch14-384", SiglipVisionModel(config), 384)
 
 
 def set_tf32(on: bool) -> None:
@@ -57,11 +95,10 @@ def set_tf32(on: bool) -> None:
     torch.backends.cudnn.allow_tf32 = on
 
 
-def check_model(name, ref32, convert, run_ref, rows, precisions, batches, save) -> None:
+def check_model(name, ref32, convert, run_ref, size, rows, precisions, batches, save) -> None:
     device = torch.device("cuda")
     ref32 = ref32.to(device)
     ref64 = copy.deepcopy(ref32).double()
-    size = ref32.config.image_size if hasattr(ref32, "config") else ref32.patch_embed.img_size[0]
     for batch in batches:
         px = torch.randn(batch, 3, size, size, device=device)
         with torch.inference_mode():
@@ -95,13 +132,15 @@ def check_model(name, ref32, convert, run_ref, rows, precisions, batches, save) 
             del ref, ours
 
 
-MODELS = {"vit-base": hf_vit_base, "clip-large": timm_clip_large}
+MODELS = {"vit-base": hf_vit_base, "clip-large": timm_clip_large, "dinov2-large": hf_dinov2_large,
+          "clip-large-hf": hf_clip_large, "siglip-so400m": hf_siglip_so400m}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the rows here as JSON")
-    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated, from " + ", ".join(MODELS))
+    parser.add_argument("--models", default="vit-base,clip-large", help="comma-separated, from " + ", ".join(MODELS)
+                        + " (default: %(default)s)")
     parser.add_argument("--precisions", default=",".join(PRECISIONS),
                         help="comma-separated, from " + ", ".join(PRECISIONS))
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)), help="comma-separated batch sizes")
