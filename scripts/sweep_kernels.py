@@ -23,6 +23,7 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 
+from vit_triton.kernels.activation import gelu_fit_degree
 from vit_triton.kernels.common import input_precision, pdl, tma_ready
 from vit_triton.kernels.tuning import Config
 
@@ -83,7 +84,7 @@ def bench(fn) -> float:
 def launch_linear(cfg, x, w, b, r, y, act, persistent: int, tma: bool):
     """One launch through the package's launch function; cfg: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps,
     num_stages)."""
-    flags = dict(HAS_BIAS=True, ACT=act, GELU_FIT_DEGREE=linear_mod.gelu_fit_degree(x.dtype, act),
+    flags = dict(HAS_BIAS=True, ACT=act, GELU_FIT_DEGREE=gelu_fit_degree(x.dtype, act),
                  HAS_RESIDUAL=r is not None, HAS_SCALE=False,
                  INPUT_PRECISION=input_precision(x.dtype, True), X_TF32=False, W_TF32=False, Y_TF32=False,
                  USE_TMA=tma, SPLIT_K=1)

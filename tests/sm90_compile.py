@@ -25,9 +25,8 @@ from vit_triton.kernels.attention import ONE_PASS_BLOCK_M, ONE_PASS_WARPS, _atte
 from vit_triton.kernels.layer_norm import _layer_norm_kernel  # noqa: E402
 from vit_triton.kernels.common import PDL_EARLY, PDL_LATE  # noqa: E402
 from vit_triton.kernels.tuning import Config  # noqa: E402
-from vit_triton.kernels.linear import (  # noqa: E402
-    ACTIVATIONS, FLOAT32, LARGE_M, TINY_M, WIDE_RESIDUAL, _linear_kernel, gelu_fit_degree,
-)
+from vit_triton.kernels.activation import ACTIVATIONS, gelu_fit_degree  # noqa: E402
+from vit_triton.kernels.linear import FLOAT32, LARGE_M, TINY_M, WIDE_RESIDUAL, _linear_kernel  # noqa: E402
 from vit_triton.kernels.patch_embed import _patch_embed_kernel  # noqa: E402
 from vit_triton.kernels.tf32 import _round_to_tf32_kernel  # noqa: E402
 from vit_triton.kernels.token_mean import _token_mean_kernel  # noqa: E402

@@ -16,6 +16,7 @@ from tests.kernels.checks import (
 )
 from tests.numerics import DEVICE, assert_close
 from vit_triton.kernels import ACTIVATIONS, linear, linear_partials, split_k
+from vit_triton.kernels import activation as ACTIVATION
 from vit_triton.kernels import tf32 as TF32
 from vit_triton.kernels.common import sm_count
 from vit_triton.kernels.tuning import Config
@@ -110,7 +111,7 @@ def test_16bit_activation_over_its_range(act, dtype):
     out = linear(x, torch.eye(16, device=DEVICE, dtype=dtype), activation=act).double()
     ref = TORCH_ACTIVATIONS[act](x.double())
     half_ulp = torch.finfo(dtype).eps / 2   # relative
-    fit_error = GELU_FIT_DEGREE_FIT_ERROR[LINEAR.GELU_FIT_DEGREES[dtype]] if act == "gelu" else 0.0
+    fit_error = GELU_FIT_DEGREE_FIT_ERROR[ACTIVATION.GELU_FIT_DEGREES[dtype]] if act == "gelu" else 0.0
     allowed = (fit_error + TANH_ERROR * x.double().abs() / 2) * (1 + half_ulp) + half_ulp * ref.abs()
     excess = (out - ref).abs() - allowed
     assert excess.max() <= 0, f"{act} off by {excess.max():.2e} more than allowed at x = {x.flatten()[excess.argmax()]}"
@@ -124,7 +125,7 @@ def test_one_tanh_form_only_where_asked(dtype, gelu_fit_degree, monkeypatch):
     x = torch.linspace(-6, 6, 4096, device=DEVICE).view(256, 16).to(dtype)
     erf_form = linear(x.float(), torch.eye(16, device=DEVICE), activation="gelu", allow_tf32=False).to(dtype)
     if not gelu_fit_degree:
-        monkeypatch.setattr(LINEAR, "GELU_FIT_DEGREES", {})
+        monkeypatch.setattr(ACTIVATION, "GELU_FIT_DEGREES", {})
     out = linear(x, torch.eye(16, device=DEVICE, dtype=dtype), activation="gelu")
     assert torch.equal(out, erf_form) != gelu_fit_degree
 

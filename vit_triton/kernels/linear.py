@@ -4,7 +4,7 @@ Layouts: x [M, K] with unit stride along K (any row stride, so a view such as to
 read in place); W [N, K] row-major, the nn.Linear layout, read K-major as the tensor cores want
 it (no transposed copy); b [N]; residual and y [M, N] with unit stride along N.
 
-The epilogue runs on the fp32 accumulator before the single store: bias, then the activation,
+The epilogue runs on the fp32 accumulator before the single store: bias, then the activation (activation.py),
 then the residual add, then the scale, so no elementwise kernel follows the GEMM.
 
 Before its wait for the previous kernel (programmatic dependent launch), each program asks L2 for
@@ -53,78 +53,13 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from .activation import ACTIVATIONS, apply_activation, gelu_fit_degree
 from .common import (
-    INTERPRET, LOG2E, cast, check_device, check_dtype, check_float, check_shape, exp2, input_precision, mma,
-    sm_count, pdl, PDL_OFF, prefetch_l2, reciprocal, start_next_kernel, tanh, tma_ready, to_tf32,
-    wait_for_previous_kernel,
+    INTERPRET, cast, check_device, check_dtype, check_float, check_shape, input_precision, mma, sm_count, pdl,
+    PDL_OFF, prefetch_l2, start_next_kernel, tma_ready, to_tf32, wait_for_previous_kernel,
 )
 from .tuning import Config, Tuner
 from .tf32 import tf32_weight
-
-ACTIVATIONS = ("none", "gelu", "gelu_tanh", "quick_gelu")
-
-_GELU_P = tl.constexpr(0.3275911 * 0.7071067811865476)       # A&S p, times 1/sqrt(2) for z = |x|/sqrt(2)
-_MINUS_HALF_LOG2E = tl.constexpr(-0.5 * LOG2E)                # exp(-z^2) = 2^(-x^2 log2(e) / 2)
-_SQRT_2_OVER_PI = 0.7978845608028654   # tanh-GELU: u = sqrt(2/pi) (x + 0.044715 x^3)
-_QUICK_GELU_K = 1.702                   # QuickGELU: x sigmoid(1.702 x)
-_GELU_TANH_A = tl.constexpr(-2.0 * _SQRT_2_OVER_PI * LOG2E)  # exp(-2u) = 2^(x (A + B x^2))
-_GELU_TANH_B = tl.constexpr(-2.0 * _SQRT_2_OVER_PI * 0.044715 * LOG2E)
-_QUICK_GELU_A = tl.constexpr(-_QUICK_GELU_K * LOG2E)
-# The one-tanh forms: u(x) in h + h tanh(u(x)), h = x / 2. Exact GELU's u is an odd polynomial whose tanh is closest
-# to erf(x / sqrt(2)) (minimax fits): of degree 3 within 2.72e-4 of x Phi(x), which
-# bf16's rounding hides (half an ulp: 2e-3 at 1) and fp16's does not (2.4e-4); of degree 5 within 2.8e-5, its x^2
-# held at 64 (|x| >= 8, where tanh(u) rounds to 1 either way) since past |x| = 10 the x^5 term would turn u down.
-_GELU_FIT3_1, _GELU_FIT3_3 = tl.constexpr(0.8001587525878255), tl.constexpr(0.034701480458530345)
-_GELU_FIT5_1, _GELU_FIT5_3 = tl.constexpr(0.7975240468576681), tl.constexpr(0.03700132026148351)
-_GELU_FIT5_5 = tl.constexpr(-0.0003523119647840455)
-_GELU_TANH_U, _GELU_TANH_U3 = tl.constexpr(_SQRT_2_OVER_PI), tl.constexpr(_SQRT_2_OVER_PI * 0.044715)
-_QUICK_GELU_U = tl.constexpr(0.5 * _QUICK_GELU_K)   # sigmoid(1.702 x) = (1 + tanh(0.851 x)) / 2
-# The one-tanh forms by output dtype, as the degree of exact GELU's u; fp32 and tf32 keep the forms below them.
-GELU_FIT_DEGREES = {torch.bfloat16: 3, torch.float16: 5}
-
-
-def gelu_fit_degree(dtype: torch.dtype, activation: str) -> int:
-    """The kernel's GELU_FIT_DEGREE for this output dtype and activation: 0 (the exp2 and reciprocal forms, and no
-    activation) or the degree of exact GELU's u in the one-tanh forms."""
-    return GELU_FIT_DEGREES.get(dtype, 0) if activation != "none" else 0
-
-
-@triton.jit
-def _activation(x, ACT: tl.constexpr, GELU_FIT_DEGREE: tl.constexpr):
-    """The activation on fp32 x, from single SFU instructions and FMAs: evaluated once an element while no
-    MMA runs, so each instruction shows at K = 768.
-
-    GELU_FIT_DEGREE > 0 (y is 16-bit; gelu_fit_degree): h + h tanh(u(x)), one SFU instruction an element where
-    the forms below take two; exact GELU's u is a fit of that degree. fc1 + GELU's relative Frobenius error on an H100: bf16
-    (degree 3) 0.64-0.67x PyTorch's, fp16 (degree 5) 0.65-0.68x, against 0.62-0.67x below."""
-    if GELU_FIT_DEGREE and ACT != "none":
-        if ACT == "gelu" and GELU_FIT_DEGREE == 5:
-            s = tl.minimum(x * x, 64.0)
-            u = x * (_GELU_FIT5_1 + s * (_GELU_FIT5_3 + s * _GELU_FIT5_5))
-        elif ACT == "gelu":
-            u = x * (_GELU_FIT3_1 + _GELU_FIT3_3 * x * x)
-        elif ACT == "gelu_tanh":
-            u = x * (_GELU_TANH_U + _GELU_TANH_U3 * x * x)
-        else:
-            u = x * _QUICK_GELU_U
-        h = 0.5 * x
-        x = h + h * tanh(u)   # +inf -> +inf, -inf -> NaN, as PyTorch's tanh form
-    elif ACT == "gelu":
-        # x * Phi(x). Phi(-|x|) = erfc(z) / 2 = poly(t) * exp(-z^2), t = 1 / (1 + p z), z = |x| / sqrt(2)
-        # (Abramowitz & Stegun 7.1.26, |error| < 1.5e-7; the 1/2 is folded into the coefficients).
-        t = reciprocal(1.0 + _GELU_P * tl.abs(x))
-        poly = t * (0.127414796 + t * (-0.142248368 + t * (0.7107068705 + t * (-0.7265760135 + t * 0.5307027145))))
-        tail = poly * exp2(x * x * _MINUS_HALF_LOG2E)  # Phi(-|x|)
-        # x (1 - tail) for x >= 0, x tail below: one FMA, no select (NaN at +-inf, as PyTorch's)
-        x = tl.maximum(x, 0.0) - tl.abs(x) * tail
-    elif ACT == "gelu_tanh":
-        # 0.5x(1 + tanh(u)) = x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3)
-        x = x * reciprocal(1.0 + exp2(x * (_GELU_TANH_A + _GELU_TANH_B * x * x)))
-    elif ACT == "quick_gelu":
-        # x * sigmoid(1.702x)
-        x = x * reciprocal(1.0 + exp2(x * _QUICK_GELU_A))
-    return x
-
 
 # 128 x 256 tiles in 4 stages of 32-deep steps: the residual GEMMs' pick before their y went through
 # pointers, still some shapes' pick since.
@@ -212,7 +147,7 @@ def _epilogue(acc, m0, n0, split, M, N, b_ptr, r, y, stride_rm, stride_ym, scale
         # broadcasts a scalar comparison as int32, which a mask refuses (and 3.6's cannot branch on one).
         first = tl.where(split == 0, mask_n, False)
         acc += tl.load(b_ptr + offs_n, mask=first, other=0.0).to(tl.float32)[None, :]
-    acc = _activation(acc, ACT, GELU_FIT_DEGREE)
+    acc = apply_activation(acc, ACT, GELU_FIT_DEGREE)
     mask = (offs_m < M)[:, None] & mask_n[None, :]
     rows = offs_m[:, None].to(tl.int64)
     if HAS_RESIDUAL:
@@ -236,7 +171,7 @@ def _linear_kernel(
     w_ptr,               # W's first element, for the prefetch
     M, N, K,
     stride_xm, stride_wn, stride_rm, stride_ym, scale,
-    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, GELU_FIT_DEGREE: tl.constexpr,   # _activation's
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, GELU_FIT_DEGREE: tl.constexpr,   # apply_activation's
     HAS_RESIDUAL: tl.constexpr, HAS_SCALE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, X_TF32: tl.constexpr, W_TF32: tl.constexpr,   # x, W hold tf32 values already
     Y_TF32: tl.constexpr,   # y is stored rounded to tf32
@@ -286,8 +221,8 @@ def _linear_kernel(
                   HAS_BIAS, ACT, GELU_FIT_DEGREE, HAS_RESIDUAL, HAS_SCALE, Y_TF32, USE_TMA, Y_TMA)
 
 
-# The tuner's disk cache is keyed by this file: a change to the kernel or the candidates starts afresh.
-_TUNER = Tuner("linear", Path(__file__).read_text())
+# The tuner's disk cache is keyed by the kernel's source: a change to it or the candidates starts afresh.
+_TUNER = Tuner("linear", "".join(Path(__file__).with_name(name).read_text() for name in ("linear.py", "activation.py")))
 
 
 # whole_wave_rows' rule (ViT-B/L on an H100): a last wave at most this full, in a
@@ -330,7 +265,7 @@ def linear(
     """y = scale * (activation(x @ weight.T + bias) + residual) for 2-D x [M, K] and weight [N, K].
 
     activation: "none", "gelu" (exact erf), "gelu_tanh" or "quick_gelu" (x * sigmoid(1.702 x)); a bf16 or fp16 y
-    gets them from one tanh an element, to within its rounding (_activation, gelu_fit_degree).
+    gets them from one tanh an element, to within its rounding (activation.py).
     allow_tf32: for float32 inputs; None follows torch.get_float32_matmul_precision().
     tf32_input, tf32_output: see tf32.py; they act only where the matmuls run on tf32.
     out must not alias x or residual.
