@@ -3,9 +3,9 @@
 How the candidate lists in vit_triton/kernels were chosen: each candidate is launched directly
 (no tuner), timed from CUDA graph replays (do_bench_cudagraph), and compared with PyTorch at the
 same shape (cuBLAS plus the same epilogue in PyTorch ops; SDPA for attention). For linear, each
-compiled config is timed launched persistently (one and, from a few thousand rows, two programs
-per SM) and with one program per tile, and the best six again through the pointer path (TMA
-off).
+compiled config is timed in the TMA kernel launched persistently (one and, from a few thousand rows,
+two programs per SM) and with one program per tile, and the best six again in the plain kernel
+(pointer loads, one program per tile).
 
     python scripts/sweep_kernels.py [--json sweep.json] [--quick]
 """
@@ -23,6 +23,7 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 
+from vit_triton.kernels.activation import gelu_fit_degree
 from vit_triton.kernels.common import input_precision, pdl, tma_ready
 from vit_triton.kernels.tuning import Config
 
@@ -81,13 +82,13 @@ def bench(fn) -> float:
 
 
 def launch_linear(cfg, x, w, b, r, y, act, persistent: int, tma: bool):
-    """One launch through the package's launch function; cfg: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps,
-    num_stages)."""
-    flags = dict(HAS_BIAS=True, ACT=act, GELU_FIT_DEGREE=linear_mod.gelu_fit_degree(x.dtype, act),
+    """One launch through the package's launch function, of the TMA kernel or (tma False) the plain one; cfg:
+    (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)."""
+    flags = dict(HAS_BIAS=True, ACT=act, GELU_FIT_DEGREE=gelu_fit_degree(x.dtype, act),
                  HAS_RESIDUAL=r is not None, HAS_SCALE=False,
                  INPUT_PRECISION=input_precision(x.dtype, True), X_TF32=False, W_TF32=False, Y_TF32=False,
-                 USE_TMA=tma, SPLIT_K=1)
-    linear_mod.launch_linear(Config(*cfg, persistent), x, w, b, r, y, 1.0, flags)
+                 SPLIT_K=1)
+    linear_mod.launch_linear(Config(*cfg, persistent), x, w, b, r, y, 1.0, flags, tma)
 
 
 def sweep_linear(shapes, candidates, dtype, quick: bool) -> list[dict]:

@@ -17,6 +17,7 @@ def one_config(monkeypatch):
     """linear and attention with their first candidate config only, so that two calls that differ in a
     flag run the same tiles (their results can then be compared bit for bit on a GPU too)."""
     linear, attention = (importlib.import_module(f"vit_triton.kernels.{name}") for name in ("linear", "attention"))
-    candidates = linear._candidates
-    monkeypatch.setattr(linear, "_candidates", lambda m, dtype: candidates(m, dtype)[:1])
+    for name in ("_plain_candidates", "_tma_candidates"):
+        candidates = getattr(linear, name)
+        monkeypatch.setattr(linear, name, lambda m, dtype, candidates=candidates: candidates(m, dtype)[:1])
     monkeypatch.setattr(attention._attention_kernel, "configs", attention._attention_kernel.configs[:1])

@@ -25,8 +25,9 @@ from vit_triton.kernels.attention import ONE_PASS_BLOCK_M, ONE_PASS_WARPS, _atte
 from vit_triton.kernels.layer_norm import _layer_norm_kernel  # noqa: E402
 from vit_triton.kernels.common import PDL_EARLY, PDL_LATE  # noqa: E402
 from vit_triton.kernels.tuning import Config  # noqa: E402
+from vit_triton.kernels.activation import ACTIVATIONS, gelu_fit_degree  # noqa: E402
 from vit_triton.kernels.linear import (  # noqa: E402
-    ACTIVATIONS, FLOAT32, LARGE_M, TINY_M, WIDE_RESIDUAL, _linear_kernel, gelu_fit_degree,
+    FLOAT32, LARGE_M, TINY_M, WIDE_RESIDUAL, _linear_plain_kernel, _linear_tma_kernel,
 )
 from vit_triton.kernels.patch_embed import _patch_embed_kernel  # noqa: E402
 from vit_triton.kernels.tf32 import _round_to_tf32_kernel  # noqa: E402
@@ -38,7 +39,7 @@ FLOAT_ARGS = {"eps", "qk_scale", "scale"}
 # specializes such arguments at launch; without that its pipeliner cannot prove 16-byte alignment
 # and copies nothing ahead, so the PTX here would not be the one the GPU runs.
 ALIGNED_INTS = re.compile(r"[NKD]|stride_\w+|s[qkvo]_[bth]")
-LINEAR_OPERANDS = {"x", "w", "r", "y"}   # linear's matrices: pointers, or descriptors with USE_TMA
+LINEAR_OUTPUT = "y"   # the TMA linear kernel's output: a descriptor, or a pointer
 # Global loads, stores, copies and atomics in PTX (not the L2 prefetch, an inline asm block of its own).
 MEMORY_OP = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:(?:ld|st)\.global|cp\.async|atom\.|red\.)", re.M)
 
@@ -61,9 +62,9 @@ def compile_kernel(kernel, dtype: str, options: dict, constexprs: dict, descript
             signature[p.name] = "constexpr"
         elif descriptors and p.name in descriptors:
             signature[p.name] = f"tensordesc<{element}{list(descriptors[p.name])}>"
-        elif p.name == "parts_ptr" or (p.name == "y" and constexprs.get("SPLIT_K", 1) > 1):
+        elif p.name == "parts_ptr" or (p.name in ("y", "y_ptr") and constexprs.get("SPLIT_K", 1) > 1):
             signature[p.name] = "*fp32"
-        elif p.name.endswith("_ptr") or p.name in LINEAR_OPERANDS:
+        elif p.name.endswith("_ptr") or p.name == LINEAR_OUTPUT:
             signature[p.name] = f"*{element}"
         else:
             signature[p.name] = "fp32" if p.name in FLOAT_ARGS else "i32"
@@ -76,19 +77,24 @@ def compile_kernel(kernel, dtype: str, options: dict, constexprs: dict, descript
     return triton.compile(src, target=TARGET, options=options).asm["ptx"]
 
 
-def linear_case(name: str, dtype: str, config: Config, pdl: int = PDL_LATE, split_k: int = 1, **flags):
-    """linear with this launch config, prefetching its weights; USE_TMA passes x, w, r and y (but a
-    residual product's y and split K's fp32 partial sums) as descriptors of its tiles."""
+def linear_case(name: str, dtype: str, config: Config, pdl: int = PDL_LATE, split_k: int = 1, tma: bool = False,
+                **flags):
+    """linear with this launch config: the plain kernel, or with tma the TMA kernel, prefetching its weights and
+    passed x, w, r and y (but a residual product's y and split K's fp32 partial sums) as descriptors of its tiles."""
     bm, bn, bk, warps, stages, _ = config
     defaults = dict(X_TF32=False, W_TF32=False, Y_TF32=False, GELU_FIT_DEGREE=gelu_fit_degree(torch_dtype(dtype), flags["ACT"]))
-    constexprs = dict(defaults | flags, PDL=pdl, PREFETCH=True, SPLIT_K=split_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                      GROUP_M=8)
-    descriptors = dict(x=(bm, bk), w=(bn, bk), r=(bm, bn), y=(bm, bn)) if flags["USE_TMA"] else None
-    if descriptors and not flags["HAS_RESIDUAL"]:
-        descriptors.pop("r", None)
-    if descriptors and (split_k > 1 or flags["HAS_RESIDUAL"]):   # y through pointers
-        descriptors.pop("y", None)
-    return name, _linear_kernel, dtype, {"num_warps": warps, "num_stages": stages}, constexprs, descriptors
+    constexprs = dict(defaults | flags, PDL=pdl, SPLIT_K=split_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8)
+    options = {"num_warps": warps, "num_stages": stages}
+    if not tma:
+        return name, _linear_plain_kernel, dtype, options, constexprs, None
+    descriptors = dict(x_desc=(bm, bk), w_desc=(bn, bk))
+    if flags["HAS_RESIDUAL"]:   # y through pointers
+        descriptors["r_desc"] = (bm, bn)
+    else:
+        constexprs["r_desc"] = None
+        if split_k == 1:
+            descriptors["y"] = (bm, bn)
+    return name, _linear_tma_kernel, dtype, options, dict(constexprs, PREFETCH=True), descriptors
 
 
 def cases():
@@ -100,15 +106,15 @@ def cases():
         for bias, act, res in epilogues if dtype == "bf16" else [(True, "gelu", True)]:
             for tma in (False, True):
                 yield linear_case("linear-tma" if tma else "linear", dtype, config, HAS_BIAS=bias, ACT=act,
-                                  HAS_RESIDUAL=res, HAS_SCALE=not bias, INPUT_PRECISION="ieee", USE_TMA=tma)
+                                  HAS_RESIDUAL=res, HAS_SCALE=not bias, INPUT_PRECISION="ieee", tma=tma)
         if dtype == "bf16":   # the residual GEMMs' wide tile at large batch
             yield linear_case("linear-tma-wide-residual", dtype, WIDE_RESIDUAL, HAS_BIAS=True, ACT="none",
-                              HAS_RESIDUAL=True, HAS_SCALE=False, INPUT_PRECISION="ieee", USE_TMA=True)
+                              HAS_RESIDUAL=True, HAS_SCALE=False, INPUT_PRECISION="ieee", tma=True)
         # Launches whose programs all fit on the SMs: one image's GEMMs, and its GEMMs split along K.
         for tma, split_k in itertools.product((False, True), (1, 2)) if dtype == "bf16" else ():
             yield linear_case(f"linear{'-tma' * tma}{'-split' * (split_k > 1)}-early", dtype, TINY_M[0], PDL_EARLY,
                               split_k, HAS_BIAS=True, ACT="none", HAS_RESIDUAL=False, HAS_SCALE=False,
-                              INPUT_PRECISION="ieee", USE_TMA=tma)
+                              INPUT_PRECISION="ieee", tma=tma)
         streaming = dict(KEYS0=0, KEYS1=0, KEYS2=0)
         yield ("fused_attention", _attention_kernel, dtype, {}, dict(HEAD_DIM=80, BLOCK_D=128, INPUT_PRECISION="ieee",
                                                                      QKV_TF32=False, O_TF32=False, **streaming), None)
@@ -129,7 +135,7 @@ def cases():
     for tma, pre in itertools.product((False, True), (False, True)):
         yield linear_case("linear-tma" if tma else "linear", "tf32", FLOAT32[0], HAS_BIAS=True, ACT="gelu",
                           HAS_RESIDUAL=True, HAS_SCALE=False, INPUT_PRECISION="tf32", X_TF32=pre, W_TF32=pre,
-                          Y_TF32=pre, USE_TMA=tma)
+                          Y_TF32=pre, tma=tma)
     yield ("patch_embed", _patch_embed_kernel, "tf32", {}, dict(
         PATCH=16, HAS_BIAS=True, HAS_PREFIX=True, HAS_POS=True, POS_HAS_PREFIX=True, INPUT_PRECISION="tf32",
         W_TF32=True), None)

@@ -1,5 +1,6 @@
-"""linear: y = scale * (act(x @ W^T + b) [+ residual]) against F.linear and PyTorch's activations; linear_partials
-and split_k (split K); whole_wave_rows (a short last wave's rows launched apart)."""
+"""linear: y = scale * (act(x @ W^T + b) [+ residual]) against F.linear and PyTorch's activations, through each
+of its two kernels (the plain one for matrices that are not 16-byte aligned, the TMA one for those that are);
+linear_partials and split_k (split K); whole_wave_rows (a short last wave's rows launched apart)."""
 
 import importlib
 import itertools
@@ -16,12 +17,13 @@ from tests.kernels.checks import (
 )
 from tests.numerics import DEVICE, assert_close
 from vit_triton.kernels import ACTIVATIONS, linear, linear_partials, split_k
+from vit_triton.kernels import activation as ACTIVATION
 from vit_triton.kernels import tf32 as TF32
 from vit_triton.kernels.common import sm_count
 from vit_triton.kernels.tuning import Config
 from vit_triton.kernels.linear import (
-    FLOAT32, INTERPRETER, LARGE_M, MAX_SPLITS, SMALL_M, SPLIT_MAX_TILES, SPLIT_MIN_DEPTH, SPLIT_PROGRAMS, SPLIT_TILE,
-    TINY_M, whole_wave_rows,
+    FLOAT32, INTERPRETER, LARGE_M, MAX_SPLITS, PLAIN, PLAIN_FLOAT32, SMALL_M, SPLIT_MAX_TILES, SPLIT_MIN_DEPTH,
+    SPLIT_PROGRAMS, SPLIT_TILE, TINY_M, whole_wave_rows,
 )
 from vit_triton.kernels.tf32 import TF32_WEIGHT_ROWS
 
@@ -44,25 +46,67 @@ def torch_linear(act, scale=1.0):
     return fn
 
 
-def inputs(m, n, k, dtype, bias=True, residual=True, strided=False):
+def inputs(m, n, k, dtype, bias=True, residual=True, strided=False, kernel=None):
     """x [m, k], weight [n, k], bias [n], residual [m, n]. strided: x and the residual are views with
-    rows further apart than their width, as the class tokens tokens[:, 0] of a [B, T, D] tensor."""
+    rows further apart than their width, as the class tokens tokens[:, 0] of a [B, T, D] tensor. kernel: x,
+    weight and residual laid out for that kernel of linear's (laid_out)."""
     x = rand(m, 3, k, dtype=dtype)[:, 0] if strided else rand(m, k, dtype=dtype)
     r = (rand(m, 2, n, dtype=dtype)[:, 1] if strided else rand(m, n, dtype=dtype)) if residual else None
-    return x, rand(n, k, dtype=dtype, scale=k ** -0.5), rand(n, dtype=dtype) if bias else None, r
+    w = rand(n, k, dtype=dtype, scale=k ** -0.5)
+    if kernel is not None:
+        x, w, r = (None if t is None else laid_out(t, kernel) for t in (x, w, r))
+    return x, w, rand(n, dtype=dtype) if bias else None, r
+
+
+# linear runs its TMA kernel where every matrix is 16-byte aligned (base address and row stride), else its plain
+# kernel: the tests that run both take these layouts, whatever the sizes.
+KERNELS = pytest.mark.parametrize("kernel", ["plain", "tma"])
+KERNEL_NAMES = {"plain": "_linear_plain_kernel", "tma": "_linear_tma_kernel"}
+
+
+def laid_out(t, kernel):
+    """A copy of the matrix t, read in place from a view: for "tma", rows padded to a multiple of 16 bytes (so
+    aligned, whatever the width); for "plain", a column slice one element into its rows, which no TMA
+    descriptor can read."""
+    rows, cols = t.shape
+    if kernel == "tma":
+        per_16_bytes = 16 // t.element_size()
+        view = t.new_empty(rows, -(-cols // per_16_bytes) * per_16_bytes)[:, :cols]
+    else:
+        view = t.new_empty(rows, cols + 1)[:, 1:]
+    return view.copy_(t)
+
+
+def output(m, n, dtype, kernel):
+    """An out= [m, n] for linear laid out for that kernel, filled with NaN (laid_out)."""
+    return laid_out(nan_filled(m, n, dtype=dtype), kernel)
+
+
+@pytest.fixture
+def ran(monkeypatch):
+    """The names of the linear kernels launched during the test, in order."""
+    names = []
+    for kernel in (LINEAR._linear_plain_kernel, LINEAR._linear_tma_kernel):
+        run = kernel.run
+        monkeypatch.setattr(kernel, "run", lambda *args, run=run, name=kernel.fn.__name__, **kwargs:
+                            names.append(name) or run(*args, **kwargs))
+    return names
 
 
 EPILOGUES = list(itertools.product((True, False), ACTIVATIONS, (True, False)))
 
 
 @each_dtype
+@KERNELS
 @pytest.mark.parametrize("bias, act, residual", EPILOGUES,
                          ids=[f"{'bias' if b else 'nobias'}-{a}-{'residual' if r else 'noresidual'}"
                               for b, a, r in EPILOGUES])
-def test_every_epilogue(dtype, bias, act, residual):
-    # M, N, K none a multiple of any tile; x and the residual read in place from strided views.
-    x, w, b, r = inputs(37 * 3, 45, 53, dtype, bias, residual, strided=True)
-    check(linear(x, w, b, activation=act, residual=r), torch_linear(act), x, w, b, r)
+def test_every_epilogue(dtype, kernel, bias, act, residual, ran):
+    # M, N, K none a multiple of any tile; x, W, the residual and out read and written in place through views.
+    x, w, b, r = inputs(37 * 3, 45, 53, dtype, bias, residual, kernel=kernel)
+    out = output(37 * 3, 45, dtype, kernel)
+    check(linear(x, w, b, activation=act, residual=r, out=out), torch_linear(act), x, w, b, r)
+    assert set(ran) == {KERNEL_NAMES[kernel]}
 
 
 SHAPES = [(1, 7, 3, "gelu"), (5, 96, 384, "none"), (37 * 3, 3 * 96, 96, "gelu_tanh"), (257, 45, 53, "quick_gelu"),
@@ -70,10 +114,13 @@ SHAPES = [(1, 7, 3, "gelu"), (5, 96, 384, "none"), (37 * 3, 3 * 96, 96, "gelu_ta
 
 
 @each_dtype
+@KERNELS
 @pytest.mark.parametrize("m, n, k, act", SHAPES)
-def test_odd_shapes(dtype, m, n, k, act):
-    x, w, b, r = inputs(m, n, k, dtype)
-    check(linear(x, w, b, activation=act, residual=r), torch_linear(act), x, w, b, r)
+def test_odd_shapes(dtype, kernel, m, n, k, act, ran):
+    x, w, b, r = inputs(m, n, k, dtype, kernel=kernel)
+    out = output(m, n, dtype, kernel)
+    check(linear(x, w, b, activation=act, residual=r, out=out), torch_linear(act), x, w, b, r)
+    assert set(ran) == {KERNEL_NAMES[kernel]}
 
 
 # Far left, the sigmoid forms' 2^(...) overflows to inf and 1 / (1 + inf) = 0, the right limit;
@@ -110,7 +157,7 @@ def test_16bit_activation_over_its_range(act, dtype):
     out = linear(x, torch.eye(16, device=DEVICE, dtype=dtype), activation=act).double()
     ref = TORCH_ACTIVATIONS[act](x.double())
     half_ulp = torch.finfo(dtype).eps / 2   # relative
-    fit_error = GELU_FIT_DEGREE_FIT_ERROR[LINEAR.GELU_FIT_DEGREES[dtype]] if act == "gelu" else 0.0
+    fit_error = GELU_FIT_DEGREE_FIT_ERROR[ACTIVATION.GELU_FIT_DEGREES[dtype]] if act == "gelu" else 0.0
     allowed = (fit_error + TANH_ERROR * x.double().abs() / 2) * (1 + half_ulp) + half_ulp * ref.abs()
     excess = (out - ref).abs() - allowed
     assert excess.max() <= 0, f"{act} off by {excess.max():.2e} more than allowed at x = {x.flatten()[excess.argmax()]}"
@@ -124,15 +171,18 @@ def test_one_tanh_form_only_where_asked(dtype, gelu_fit_degree, monkeypatch):
     x = torch.linspace(-6, 6, 4096, device=DEVICE).view(256, 16).to(dtype)
     erf_form = linear(x.float(), torch.eye(16, device=DEVICE), activation="gelu", allow_tf32=False).to(dtype)
     if not gelu_fit_degree:
-        monkeypatch.setattr(LINEAR, "GELU_FIT_DEGREES", {})
+        monkeypatch.setattr(ACTIVATION, "GELU_FIT_DEGREES", {})
     out = linear(x, torch.eye(16, device=DEVICE, dtype=dtype), activation="gelu")
     assert torch.equal(out, erf_form) != gelu_fit_degree
 
 
 @each_dtype
-def test_output_scale_applies_after_the_residual(dtype):
-    x, w, b, r = inputs(29, 40, 33, dtype)
-    check(linear(x, w, b, activation="gelu", residual=r, scale=0.5), torch_linear("gelu", scale=0.5), x, w, b, r)
+@KERNELS
+def test_output_scale_applies_after_the_residual(dtype, kernel, ran):
+    x, w, b, r = inputs(29, 40, 33, dtype, kernel=kernel)
+    out = linear(x, w, b, activation="gelu", residual=r, scale=0.5, out=output(29, 40, dtype, kernel))
+    check(out, torch_linear("gelu", scale=0.5), x, w, b, r)
+    assert set(ran) == {KERNEL_NAMES[kernel]}
 
 
 @pytest.mark.parametrize("allow_tf32", [True, None, False], ids=["tf32", "global", "ieee"])
@@ -178,13 +228,16 @@ def test_every_weight_path_gives_the_same_bits(monkeypatch, one_config):
 
 
 @each_dtype
-def test_every_element_is_written_in_place(dtype):
-    x, w, b, r = inputs(70, 33, 40, dtype)
-    buffer = nan_filled(70, 40, dtype=dtype)
-    out = buffer[:, 3:36]                               # rows 40 apart: only the view may be written
+@KERNELS
+def test_every_element_is_written_in_place(dtype, kernel, ran):
+    x, w, b, r = inputs(70, 33, 40, dtype, kernel=kernel)
+    buffer = nan_filled(70, 48, dtype=dtype)
+    first = 8 if kernel == "tma" else 3                 # 16 or 32 bytes in: aligned; 3 elements in: not
+    out = buffer[:, first:first + 33]                   # rows 48 apart: only the view may be written
     result = linear(x, w, b, activation="gelu_tanh", residual=r, out=out)
     assert_written_in_place(result, out, buffer)
     check(result, torch_linear("gelu_tanh"), x, w, b, r)
+    assert set(ran) == {KERNEL_NAMES[kernel]}
 
 
 @pytest.mark.parametrize("change, message", [
@@ -212,16 +265,19 @@ PARTIAL_SHAPES = [(1, 7, 3, 1), (37, 45, 100, 2), (197, 96, 384, 3), (70, 33, 25
 
 
 @each_dtype
+@KERNELS
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
 @pytest.mark.parametrize("m, n, k, splits", PARTIAL_SHAPES)
-def test_partial_sums_add_up_to_the_product(dtype, bias, m, n, k, splits):
+def test_partial_sums_add_up_to_the_product(dtype, kernel, bias, m, n, k, splits, ran):
     # K not a multiple of the slices' depth: the last slice runs past K (and reads zeros), or has no
-    # K at all (33 deep in 4 slices of 32-deep steps); the bias lies in slice 0 only. Without a bias,
-    # x is read in place from a strided view.
-    x, w, b, _ = inputs(m, n, k, dtype, bias, residual=False, strided=not bias)
+    # K at all (33 deep in 4 slices of 32-deep steps); the bias lies in slice 0 only. x and W are read in
+    # place from views; the TMA kernel's N is a multiple of 4, so that the fp32 parts' rows are aligned.
+    n = -(-n // 4) * 4 if kernel == "tma" else n
+    x, w, b, _ = inputs(m, n, k, dtype, bias, residual=False, kernel=kernel)
     parts = linear_partials(x, w, b, splits)
     assert parts.shape == (splits, m, n) and parts.dtype == torch.float32
     check(parts.sum(0).to(dtype), torch_linear("none"), x, w, b, None)
+    assert set(ran) == {KERNEL_NAMES[kernel]}
 
 
 @pytest.mark.parametrize("splits", [0, MAX_SPLITS + 1])
@@ -246,16 +302,20 @@ def test_split_k_cuts_deep_products_of_few_tiles():
 
 
 @each_dtype
-@pytest.mark.parametrize("strided", [False, True], ids=["tma", "pointers"])
-def test_every_candidate_config(dtype, strided, monkeypatch):
-    # Each launch config a GPU's tuner may pick, alone, at a shape none of its tiles divides, through TMA
-    # descriptors (rows 16-byte aligned) or masked pointers (strided views). Every one fits Hopper's shared
-    # memory with a residual tile (its y goes through pointers): none may raise OutOfResources.
-    x, w, b, r = inputs(133, 72, 56, dtype, strided=strided)
-    configs = FLOAT32 if dtype == torch.float32 else list(dict.fromkeys(LARGE_M + SMALL_M + TINY_M))
+@KERNELS
+def test_every_candidate_config(dtype, kernel, monkeypatch, ran):
+    # Each launch config a GPU's tuner may pick for each kernel, alone, at a shape none of its tiles divides:
+    # the TMA kernel's and the plain kernel's. Every one fits Hopper's shared memory with a residual tile (the TMA
+    # kernel's y goes through pointers): none may raise OutOfResources.
+    x, w, b, r = inputs(133, 72, 56, dtype, kernel=kernel)
+    if kernel == "plain":
+        configs = PLAIN_FLOAT32 if dtype == torch.float32 else PLAIN
+    else:
+        configs = FLOAT32 if dtype == torch.float32 else list(dict.fromkeys(LARGE_M + SMALL_M + TINY_M))
     for config in configs:
-        monkeypatch.setattr(LINEAR, "_candidates", lambda m, element, config=config: [config])
+        monkeypatch.setattr(LINEAR, f"_{kernel}_candidates", lambda m, element, config=config: [config])
         check(linear(x, w, b, activation="gelu", residual=r), torch_linear("gelu"), x, w, b, r)
+    assert set(ran) == {KERNEL_NAMES[kernel]}
 
 
 def test_whole_wave_rows_splits_a_short_last_wave_of_a_shallow_launch():
@@ -272,24 +332,28 @@ def test_whole_wave_rows_splits_a_short_last_wave_of_a_shallow_launch():
 
 
 @each_dtype
-def test_short_last_wave_launched_apart(dtype, monkeypatch):
+@KERNELS
+def test_short_last_wave_launched_apart(dtype, kernel, monkeypatch, ran):
     # Two waves and a last of one tile of 32 x 32 under the interpreter (4 programs): the rows of the two
-    # waves in one launch, the last rows (strided views of strided views) in another, both right.
+    # waves in one launch, the last rows (strided views of strided views) in another, both right, and both
+    # through the kernel that the whole product's layout takes.
     m, n = 70, 70
-    x, w, b, r = inputs(m, n, 53, dtype, strided=True)
-    linear(x, w, b, activation="gelu", residual=r)   # on a GPU, the tuner's launches happen here
+    x, w, b, r = inputs(m, n, 53, dtype, kernel=kernel)
+    out = output(m, n, dtype, kernel)
+    linear(x, w, b, activation="gelu", residual=r, out=out)   # on a GPU, the tuner's launches happen here
     launches = []
     launch = LINEAR.launch_linear
     monkeypatch.setattr(LINEAR, "launch_linear",
                         lambda config, x, *args: launches.append((config, x.shape[0])) or launch(config, x, *args))
-    check(linear(x, w, b, activation="gelu", residual=r), torch_linear("gelu"), x, w, b, r)
+    check(linear(x, w, b, activation="gelu", residual=r, out=out), torch_linear("gelu"), x, w, b, r)
     rows = whole_wave_rows(m, n, launches[0][0], DEVICE)
     assert [launched for _, launched in launches] == ([m] if rows == m else [rows, m - rows])
     if launches[0][0] == INTERPRETER:
         assert rows == 64
+    assert set(ran) == {KERNEL_NAMES[kernel]}
 
 
-def test_runs_from_a_new_thread():
+def test_runs_from_a_new_thread(ran):
     # Aligned inputs take the TMA path. Its descriptors are built on the host, so no per-thread Triton
     # state (the scratch allocator that in-kernel descriptors need lives in a ContextVar, which a new
     # thread starts without) is needed: a serving loop's worker thread can call linear.
@@ -300,3 +364,26 @@ def test_runs_from_a_new_thread():
     worker.join()
     assert len(results) == 1, "linear raised in the new thread"
     check(results[0], torch_linear("none"), x, w, b, r)
+    assert set(ran) == {"_linear_tma_kernel"}
+
+
+@pytest.mark.parametrize("layout, kernel", [
+    ("contiguous", "tma"), ("class-token views", "tma"),   # every row 16-byte aligned
+    ("x column slice", "plain"), ("x odd row stride", "plain"), ("weight column slice", "plain"),
+    ("residual column slice", "plain"), ("out column slice", "plain"),
+])
+def test_the_kernel_follows_the_alignment(layout, kernel, ran):
+    # The TMA kernel where every matrix has a 16-byte aligned base and row stride (bf16 rows of 96 and 128
+    # bytes here, or the class tokens of [m, 3, k] and [m, 2, n] tensors), else the plain kernel: one matrix a
+    # column slice one element in, or x's rows 130 bytes apart, is enough.
+    m, n, k = 40, 48, 64
+    x, w, b, r = inputs(m, n, k, torch.bfloat16, strided=layout == "class-token views")
+    matrices = dict(x=x, weight=w, residual=r, out=empty(m, n, dtype=torch.bfloat16))
+    if layout == "x odd row stride":
+        matrices["x"] = rand(m, k + 1, dtype=torch.bfloat16)[:, :k]
+    elif layout.endswith("column slice"):
+        name = layout.split()[0]
+        matrices[name] = laid_out(matrices[name], "plain")
+    x, w, r, out = matrices.values()
+    check(linear(x, w, b, residual=r, out=out), torch_linear("none"), x, w, b, r)
+    assert set(ran) == {KERNEL_NAMES[kernel]}

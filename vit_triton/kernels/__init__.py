@@ -1,9 +1,10 @@
 """Triton kernels, one fused operation per file, each with a launcher taking and returning tensors."""
 
+from .activation import ACTIVATIONS
 from .attention import fused_attention
 from .common import LaunchOptions, current_launch_options, launch_options
 from .layer_norm import add_layer_norm, layer_norm
-from .linear import ACTIVATIONS, linear, linear_partials, split_k
+from .linear import linear, linear_partials, split_k
 from .patch_embed import patch_embed
 from .tf32 import round_to_tf32
 from .token_mean import token_mean

@@ -1,47 +1,36 @@
 """Linear layer with a fused epilogue: y = scale * (act(x @ W^T + b) [+ residual]).
 
-Layouts: x [M, K] with unit stride along K (any row stride, so a view such as tokens[:, 0] is
-read in place); W [N, K] row-major, the nn.Linear layout, read K-major as the tensor cores want
-it (no transposed copy); b [N]; residual and y [M, N] with unit stride along N.
+Layouts: x [M, K] with unit stride along K (any row stride, so a view such as tokens[:, 0] is read in place);
+W [N, K] row-major, the nn.Linear layout, read K-major as the tensor cores want it (no transposed copy); b [N];
+residual and y [M, N] with unit stride along N.
 
-The epilogue runs on the fp32 accumulator before the single store: bias, then the activation,
-then the residual add, then the scale, so no elementwise kernel follows the GEMM.
+Cost: 2*M*N*K FLOPs; at least (M*K + N*K + M*N [+ M*N residual]) elements moved (+ N bias); split K writes S*M*N
+fp32 partial sums instead of M*N outputs; a product launched in two parts of rows reads W twice (+ N*K).
 
-Before its wait for the previous kernel (programmatic dependent launch), each program asks L2 for
-its share of W, which no kernel writes: a GEMM launched while the previous kernel runs then reads
-its weights from L2, not HBM (ViT-B/16 at one image: 1.13x faster on an H100).
+The file, in reading order:
 
-Schedule: output tiles in grouped order; a persistent config launches one (or two) programs per
-SM, each walking tiles pid, pid + grid, ... with the tile and K loops flattened, so the next
-tile's loads are in flight during this tile's epilogue. When every matrix is 16-byte aligned
-(base and row stride) tiles move through TMA descriptors, which zero-fill and clip at the edges;
-otherwise through masked pointer loads and stores. A product with a residual stores y through pointers
-even then: the TMA store is asynchronous, so its output tile cannot reuse the shared memory of the
-residual tile, and without that second 64 KB a 128 x 256 tile has room for three stages of 64-deep
-steps. The descriptors are built on the host and
-passed as kernel parameters: built in the kernel, each program spent 2-3 us on them before its
-first load, a third of a GEMM's time at one image. A product whose last wave
-of tiles would leave most SMs idle runs as two launches: the rows of its whole waves, then the rest
-with a config tuned for them (whole_wave_rows).
+- _tile_coords and _epilogue, shared by both kernels: the grouped order of output tiles, and what a finished fp32
+  tile goes through before its one store (bias, then the activation of activation.py, then the residual add,
+  then the scale, so no elementwise kernel follows the GEMM).
+- _linear_plain_kernel, the kernel to read first (Triton's matrix-multiplication tutorial): masked pointer loads,
+  one program per output tile and K slice. It runs where a matrix is not 16-byte aligned (common.tma_ready), and
+  its candidate configs follow it.
+- _linear_tma_kernel, the fast path (Triton's persistent-matmul tutorial): tiles through TMA descriptors built on
+  the host, persistent programs walking their tiles in one flattened loop, the weights prefetched into L2 before
+  the wait for the previous kernel. Its candidate configs, by dtype and row count, follow it.
+- Split K: a product too small to give every SM a tile (ViT-B/16's fc2 at one image: 48 tiles of 64 x 64 on 132
+  SMs, each a 3072-deep loop) is cut into S slices along K (split_k), one program (or loop item) per tile and
+  slice, each writing its fp32 partial sum to parts [S, M, N]; slice 0 adds the bias. No program waits for
+  another: the reader of the product (layer_norm's add_layer_norm, which also adds the residual) sums the slices.
+  linear_partials launches it, through either kernel.
+- The launchers: linear and linear_partials check their inputs; _tuned_launch picks the kernel by tma_ready and
+  its config per shape by timing the candidates (tuning.py), launching a product whose last wave of tiles would
+  leave most SMs idle in two parts of rows (whole_wave_rows); launch_linear makes one launch.
 
-The launch config (tile, warps, stages, persistence) is chosen per shape by timing a short list of
-candidates (tuning.py), since the descriptors depend on it; each candidate is timed as the launches it
-makes, split into two where whole_wave_rows splits it.
-
-float32 on tf32 tensor cores: operands are rounded to nearest tf32 as cuBLAS does, but not in the K
-loop where avoidable (tf32.py): W is read as a rounded copy kept with the
-weight (W_TF32), an x that its producer stored rounded is taken as it is (X_TF32), and y is stored
-rounded for a consumer that reads it as a matmul operand (Y_TF32).
-
-Split K (linear_partials): a product too small to give every SM a tile (ViT-B/16's fc2 at one image:
-48 tiles of 64 x 64 on 132 SMs, each a 3072-deep loop) is cut into S slices along K, one program per
-tile and slice, each writing its fp32 partial sum to parts [S, M, N] (slice 0 adds the bias). No
-program waits for another: the reader of the product (layer_norm's add_layer_norm, which also adds
-the residual) sums the slices.
-
-Cost: 2*M*N*K FLOPs; at least (M*K + N*K + M*N [+ M*N residual]) elements moved (+ N bias); split K
-writes S*M*N fp32 partial sums instead of M*N outputs; a product launched in two parts of rows reads W
-twice (+ N*K).
+float32 on tf32 tensor cores: operands are rounded to nearest tf32 as cuBLAS does, but not in the K loop where
+avoidable (tf32.py): W is read as a rounded copy kept with the weight (W_TF32), an x that its producer stored
+rounded is taken as it is (X_TF32), and y is stored rounded for a consumer that reads it as a matmul operand
+(Y_TF32).
 """
 
 from __future__ import annotations
@@ -53,112 +42,13 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from .activation import ACTIVATIONS, apply_activation, gelu_fit_degree
 from .common import (
-    INTERPRET, LOG2E, cast, check_device, check_dtype, check_float, check_shape, exp2, input_precision, mma,
-    sm_count, pdl, PDL_OFF, prefetch_l2, reciprocal, start_next_kernel, tanh, tma_ready, to_tf32,
-    wait_for_previous_kernel,
+    INTERPRET, cast, check_device, check_dtype, check_float, check_shape, input_precision, mma, sm_count, pdl,
+    PDL_OFF, prefetch_l2, start_next_kernel, tma_ready, to_tf32, wait_for_previous_kernel,
 )
 from .tuning import Config, Tuner
 from .tf32 import tf32_weight
-
-ACTIVATIONS = ("none", "gelu", "gelu_tanh", "quick_gelu")
-
-_GELU_P = tl.constexpr(0.3275911 * 0.7071067811865476)       # A&S p, times 1/sqrt(2) for z = |x|/sqrt(2)
-_MINUS_HALF_LOG2E = tl.constexpr(-0.5 * LOG2E)                # exp(-z^2) = 2^(-x^2 log2(e) / 2)
-_SQRT_2_OVER_PI = 0.7978845608028654   # tanh-GELU: u = sqrt(2/pi) (x + 0.044715 x^3)
-_QUICK_GELU_K = 1.702                   # QuickGELU: x sigmoid(1.702 x)
-_GELU_TANH_A = tl.constexpr(-2.0 * _SQRT_2_OVER_PI * LOG2E)  # exp(-2u) = 2^(x (A + B x^2))
-_GELU_TANH_B = tl.constexpr(-2.0 * _SQRT_2_OVER_PI * 0.044715 * LOG2E)
-_QUICK_GELU_A = tl.constexpr(-_QUICK_GELU_K * LOG2E)
-# The one-tanh forms: u(x) in h + h tanh(u(x)), h = x / 2. Exact GELU's u is an odd polynomial whose tanh is closest
-# to erf(x / sqrt(2)) (minimax fits): of degree 3 within 2.72e-4 of x Phi(x), which
-# bf16's rounding hides (half an ulp: 2e-3 at 1) and fp16's does not (2.4e-4); of degree 5 within 2.8e-5, its x^2
-# held at 64 (|x| >= 8, where tanh(u) rounds to 1 either way) since past |x| = 10 the x^5 term would turn u down.
-_GELU_FIT3_1, _GELU_FIT3_3 = tl.constexpr(0.8001587525878255), tl.constexpr(0.034701480458530345)
-_GELU_FIT5_1, _GELU_FIT5_3 = tl.constexpr(0.7975240468576681), tl.constexpr(0.03700132026148351)
-_GELU_FIT5_5 = tl.constexpr(-0.0003523119647840455)
-_GELU_TANH_U, _GELU_TANH_U3 = tl.constexpr(_SQRT_2_OVER_PI), tl.constexpr(_SQRT_2_OVER_PI * 0.044715)
-_QUICK_GELU_U = tl.constexpr(0.5 * _QUICK_GELU_K)   # sigmoid(1.702 x) = (1 + tanh(0.851 x)) / 2
-# The one-tanh forms by output dtype, as the degree of exact GELU's u; fp32 and tf32 keep the forms below them.
-GELU_FIT_DEGREES = {torch.bfloat16: 3, torch.float16: 5}
-
-
-def gelu_fit_degree(dtype: torch.dtype, activation: str) -> int:
-    """The kernel's GELU_FIT_DEGREE for this output dtype and activation: 0 (the exp2 and reciprocal forms, and no
-    activation) or the degree of exact GELU's u in the one-tanh forms."""
-    return GELU_FIT_DEGREES.get(dtype, 0) if activation != "none" else 0
-
-
-@triton.jit
-def _activation(x, ACT: tl.constexpr, GELU_FIT_DEGREE: tl.constexpr):
-    """The activation on fp32 x, from single SFU instructions and FMAs: evaluated once an element while no
-    MMA runs, so each instruction shows at K = 768.
-
-    GELU_FIT_DEGREE > 0 (y is 16-bit; gelu_fit_degree): h + h tanh(u(x)), one SFU instruction an element where
-    the forms below take two; exact GELU's u is a fit of that degree. fc1 + GELU's relative Frobenius error on an H100: bf16
-    (degree 3) 0.64-0.67x PyTorch's, fp16 (degree 5) 0.65-0.68x, against 0.62-0.67x below."""
-    if GELU_FIT_DEGREE and ACT != "none":
-        if ACT == "gelu" and GELU_FIT_DEGREE == 5:
-            s = tl.minimum(x * x, 64.0)
-            u = x * (_GELU_FIT5_1 + s * (_GELU_FIT5_3 + s * _GELU_FIT5_5))
-        elif ACT == "gelu":
-            u = x * (_GELU_FIT3_1 + _GELU_FIT3_3 * x * x)
-        elif ACT == "gelu_tanh":
-            u = x * (_GELU_TANH_U + _GELU_TANH_U3 * x * x)
-        else:
-            u = x * _QUICK_GELU_U
-        h = 0.5 * x
-        x = h + h * tanh(u)   # +inf -> +inf, -inf -> NaN, as PyTorch's tanh form
-    elif ACT == "gelu":
-        # x * Phi(x). Phi(-|x|) = erfc(z) / 2 = poly(t) * exp(-z^2), t = 1 / (1 + p z), z = |x| / sqrt(2)
-        # (Abramowitz & Stegun 7.1.26, |error| < 1.5e-7; the 1/2 is folded into the coefficients).
-        t = reciprocal(1.0 + _GELU_P * tl.abs(x))
-        poly = t * (0.127414796 + t * (-0.142248368 + t * (0.7107068705 + t * (-0.7265760135 + t * 0.5307027145))))
-        tail = poly * exp2(x * x * _MINUS_HALF_LOG2E)  # Phi(-|x|)
-        # x (1 - tail) for x >= 0, x tail below: one FMA, no select (NaN at +-inf, as PyTorch's)
-        x = tl.maximum(x, 0.0) - tl.abs(x) * tail
-    elif ACT == "gelu_tanh":
-        # 0.5x(1 + tanh(u)) = x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3)
-        x = x * reciprocal(1.0 + exp2(x * (_GELU_TANH_A + _GELU_TANH_B * x * x)))
-    elif ACT == "quick_gelu":
-        # x * sigmoid(1.702x)
-        x = x * reciprocal(1.0 + exp2(x * _QUICK_GELU_A))
-    return x
-
-
-# 128 x 256 tiles in 4 stages of 32-deep steps: the residual GEMMs' pick before their y went through
-# pointers, still some shapes' pick since.
-WIDE_RESIDUAL = Config(128, 256, 32, 8, 4)
-# Candidates by dtype and row count, from sweeps on an H100 and an H200 at ViT-S/B/L shapes
-# (scripts/sweep_kernels.py). Each list is short: every candidate of a new
-# shape is compiled and timed once.
-LARGE_M = [
-    Config(128, 256, 64, 8, 3), Config(128, 128, 64, 8, 5), Config(128, 128, 64, 4, 4),
-    Config(128, 128, 128, 8, 3), Config(256, 128, 64, 8, 3), Config(128, 128, 64, 8, 4), WIDE_RESIDUAL,
-]
-SMALL_M = [   # a few thousand rows (ViT-B/16, 8 images): 128-row tiles, about one wave
-    Config(128, 256, 64, 8, 3), Config(128, 128, 64, 8, 4), Config(128, 128, 64, 4, 4),
-    Config(128, 128, 64, 4, 4, 0), Config(64, 256, 64, 4, 4),
-]
-TINY_M = [    # one or two images: 64-row tiles, narrow enough to give most SMs a tile
-    Config(64, 128, 64, 4, 4), Config(64, 64, 128, 4, 4, 0), Config(64, 32, 128, 4, 4),
-]
-FLOAT32 = [Config(128, 128, 32, 8, 3), Config(128, 128, 64, 8, 3), Config(128, 128, 32, 4, 4),
-           Config(64, 128, 32, 4, 4), Config(64, 64, 32, 4, 4, 0)]
-TINY_M_ROWS, SMALL_M_ROWS = 1024, 2048   # between 512 and 1024 rows both tiny and small tiles compete
-INTERPRETER = Config(32, 32, 32, 4, 1)
-PREFETCH_LINES = tl.constexpr(256)
-
-
-def _candidates(M: int, dtype: torch.dtype) -> list[Config]:
-    """The list for this dtype and row count."""
-    if INTERPRET:
-        return [INTERPRETER]
-    if dtype == torch.float32:
-        return FLOAT32
-    if M <= TINY_M_ROWS:
-        return TINY_M if M <= TINY_M_ROWS // 2 else TINY_M + SMALL_M
-    return SMALL_M if M <= SMALL_M_ROWS else LARGE_M
 
 
 @triton.jit
@@ -173,38 +63,12 @@ def _tile_coords(tile, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _x_tile(x, m0, k, M, K, stride_xm, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr):
-    """x[m0 : m0 + ROWS, k * BLOCK_K : (k + 1) * BLOCK_K], zeros outside [M, K]."""
-    if USE_TMA:  # the TMA zero-fills what lies outside [M, K]
-        tile = x.load([m0, k * BLOCK_K])
-    else:
-        rows = m0 + tl.arange(0, ROWS)
-        cols = k * BLOCK_K + tl.arange(0, BLOCK_K)
-        tile = tl.load(x + rows[:, None].to(tl.int64) * stride_xm + cols[None, :],
-                       mask=(rows < M)[:, None] & (cols[None, :] < K), other=0.0)
-    return tile
-
-
-@triton.jit
-def _wt_tile(w, n0, k, N, K, stride_wn, COLS: tl.constexpr, BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr):
-    """W^T[k * BLOCK_K : (k + 1) * BLOCK_K, n0 : n0 + COLS] (W read K-major), zeros outside [N, K]."""
-    if USE_TMA:
-        tile = w.load([n0, k * BLOCK_K]).T
-    else:
-        cols = n0 + tl.arange(0, COLS)
-        ks = k * BLOCK_K + tl.arange(0, BLOCK_K)
-        tile = tl.load(w + cols[None, :].to(tl.int64) * stride_wn + ks[:, None],
-                       mask=(cols < N)[None, :] & (ks[:, None] < K), other=0.0)
-    return tile
-
-
-@triton.jit
 def _epilogue(acc, m0, n0, split, M, N, b_ptr, r, y, stride_rm, stride_ym, scale,
               HAS_BIAS: tl.constexpr, ACT: tl.constexpr, GELU_FIT_DEGREE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
               HAS_SCALE: tl.constexpr, Y_TF32: tl.constexpr, R_TMA: tl.constexpr, Y_TMA: tl.constexpr):
-    """Bias, activation, residual, scale on the fp32 tile acc of y at (m0, n0), then its one store: through
-    TMA descriptors where R_TMA, Y_TMA (clipped to [M, N]), else pointers; slice `split` of split K's partial
-    sums is rows split*M... of y viewed as [SPLIT_K*M, N]."""
+    """Bias, activation, residual, scale (and tf32 rounding, Y_TF32) on the fp32 tile acc of y at (m0, n0), then
+    its one store. The residual and y go through TMA descriptors where R_TMA, Y_TMA (clipped to [M, N]), else
+    through pointers; slice `split` of split K's partial sums is rows split*M... of y viewed as [SPLIT_K*M, N]."""
     offs_m = m0 + tl.arange(0, acc.shape[0])
     offs_n = n0 + tl.arange(0, acc.shape[1])
     mask_n = offs_n < N
@@ -212,7 +76,7 @@ def _epilogue(acc, m0, n0, split, M, N, b_ptr, r, y, stride_rm, stride_ym, scale
         # broadcasts a scalar comparison as int32, which a mask refuses (and 3.6's cannot branch on one).
         first = tl.where(split == 0, mask_n, False)
         acc += tl.load(b_ptr + offs_n, mask=first, other=0.0).to(tl.float32)[None, :]
-    acc = _activation(acc, ACT, GELU_FIT_DEGREE)
+    acc = apply_activation(acc, ACT, GELU_FIT_DEGREE)
     mask = (offs_m < M)[:, None] & mask_n[None, :]
     rows = offs_m[:, None].to(tl.int64)
     if HAS_RESIDUAL:
@@ -231,19 +95,92 @@ def _epilogue(acc, m0, n0, split, M, N, b_ptr, r, y, stride_rm, stride_ym, scale
 
 
 @triton.jit
-def _linear_kernel(
-    x, w, b_ptr, r, y,   # x, w, r, y: TMA descriptors if USE_TMA (y: see Y_TMA below), else pointers
-    w_ptr,               # W's first element, for the prefetch
+def _linear_plain_kernel(
+    x_ptr, w_ptr, b_ptr, r_ptr, y_ptr,
     M, N, K,
     stride_xm, stride_wn, stride_rm, stride_ym, scale,
-    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, GELU_FIT_DEGREE: tl.constexpr,   # _activation's
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, GELU_FIT_DEGREE: tl.constexpr,   # apply_activation's
     HAS_RESIDUAL: tl.constexpr, HAS_SCALE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, X_TF32: tl.constexpr, W_TF32: tl.constexpr,   # x, W hold tf32 values already
     Y_TF32: tl.constexpr,   # y is stored rounded to tf32
-    USE_TMA: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    PDL: tl.constexpr,
     SPLIT_K: tl.constexpr,   # > 1: y is a pointer to fp32 partial sums [SPLIT_K, M, N], no epilogue but the bias
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
+    """The BLOCK_M x BLOCK_N tile of y that program (tile, slice) owns, tiles in grouped order along grid axis 0,
+    K slices along axis 1: the sum over its K slice of x's row tiles times W^T's column tiles, from masked pointer
+    loads (zeros past M, N and K), then the epilogue. A program of split K's slice s > 0 writes its partial sum
+    without the bias.
+
+    Per program: 2 * BLOCK_M * BLOCK_N * K / SPLIT_K FLOPs, (BLOCK_M + BLOCK_N) * K / SPLIT_K elements read, one
+    tile written (and one of the residual read)."""
+    wait_for_previous_kernel(PDL)
+    pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    split = tl.program_id(1)
+    # Every slice runs the same number of K steps; the last one's past K read zeros.
+    slice_steps = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = split * slice_steps * BLOCK_K + tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]    # x: [BLOCK_M, BLOCK_K]
+    wt_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]   # W^T: [BLOCK_K, BLOCK_N]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for _ in range(0, slice_steps):
+        a = tl.load(x_ptrs, mask=(offs_m < M)[:, None] & (offs_k[None, :] < K), other=0.0)
+        bt = tl.load(wt_ptrs, mask=(offs_n < N)[None, :] & (offs_k[:, None] < K), other=0.0)
+        acc = mma(a, bt, acc, INPUT_PRECISION, X_TF32, W_TF32)
+        x_ptrs += BLOCK_K
+        wt_ptrs += BLOCK_K
+        offs_k += BLOCK_K
+    start_next_kernel(PDL)
+    _epilogue(acc, pid_m * BLOCK_M, pid_n * BLOCK_N, split, M, N, b_ptr, r_ptr, y_ptr, stride_rm, stride_ym, scale,
+              HAS_BIAS, ACT, GELU_FIT_DEGREE, HAS_RESIDUAL, HAS_SCALE, Y_TF32, False, False)
+
+
+# The plain kernel's candidates, for the matrices that are not 16-byte aligned: a few general tiles, one program
+# per tile and slice (persistent 0).
+PLAIN = [Config(128, 128, 64, 8, 4, 0), Config(128, 64, 64, 4, 4, 0), Config(64, 64, 64, 4, 4, 0)]
+PLAIN_FLOAT32 = [Config(128, 128, 32, 8, 3, 0), Config(64, 64, 32, 4, 4, 0)]
+# Under the interpreter both kernels run one small tile. Persistent 1: the TMA kernel runs a program an SM (4),
+# so that each walks several tiles; the plain kernel one a tile, whatever persistent says.
+INTERPRETER = Config(32, 32, 32, 4, 1)
+
+
+def _plain_candidates(M: int, dtype: torch.dtype) -> list[Config]:
+    """The plain kernel's list for this dtype (any row count)."""
+    if INTERPRET:
+        return [INTERPRETER]
+    return PLAIN_FLOAT32 if dtype == torch.float32 else PLAIN
+
+
+PREFETCH_LINES = tl.constexpr(256)
+
+
+@triton.jit
+def _linear_tma_kernel(
+    x_desc, w_desc, b_ptr, r_desc, y,   # y: a TMA descriptor where Y_TMA below, else a pointer
+    w_ptr,               # W's first element, for the prefetch
+    M, N, K,
+    stride_wn, stride_ym, scale,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, GELU_FIT_DEGREE: tl.constexpr,   # apply_activation's
+    HAS_RESIDUAL: tl.constexpr, HAS_SCALE: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, X_TF32: tl.constexpr, W_TF32: tl.constexpr,   # x, W hold tf32 values already
+    Y_TF32: tl.constexpr,   # y is stored rounded to tf32
+    PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    SPLIT_K: tl.constexpr,   # > 1: y is a pointer to fp32 partial sums [SPLIT_K, M, N], no epilogue but the bias
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """The plain kernel's tiles, moved by the TMA, which zero-fills and clips at the edges. x, W and the residual
+    come through descriptors built on the host (built in the kernel, they cost each program 2-3 us before its
+    first load, a third of a GEMM's time at one image); y goes out through one too, but for split K's partial
+    sums and a residual product: the TMA store is asynchronous, so its output tile cannot reuse the residual
+    tile's shared memory, and without that second 64 KB a 128 x 256 tile has room for three stages of 64-deep
+    steps. A launch of fewer programs than (tile, slice) items is persistent: each program walks several.
+    PREFETCH (with PDL): W asked into L2 before the wait for the previous kernel; ViT-B/16 at one image runs
+    1.13x faster on an H100.
+
+    Per item: 2 * BLOCK_M * BLOCK_N * K / SPLIT_K FLOPs, (BLOCK_M + BLOCK_N) * K / SPLIT_K elements read, one tile
+    written (and one of the residual read); the prefetch reads W once more, into L2."""
     if PREFETCH:
         # Launched before the previous kernel has finished (PDL), each program asks L2 for its share
         # of W, which no kernel writes; its loads after the wait then hit L2 instead of HBM.
@@ -254,8 +191,8 @@ def _linear_kernel(
             offs = i + tl.arange(0, PREFETCH_LINES)
             prefetch_l2(w_ptr + offs.to(tl.int64) * per_line, offs < lines)
     wait_for_previous_kernel(PDL)
-    # A residual product's y and split K's partial sums go through pointers (module docstring).
-    Y_TMA: tl.constexpr = USE_TMA and SPLIT_K == 1 and not HAS_RESIDUAL
+    # A residual product's y and split K's partial sums go through pointers (docstring).
+    Y_TMA: tl.constexpr = SPLIT_K == 1 and not HAS_RESIDUAL
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_m * num_n
@@ -276,27 +213,52 @@ def _linear_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for step in range(0, slice_steps):
             k = split * slice_steps + step
-            a = _x_tile(x, m0, k, M, K, stride_xm, BLOCK_M, BLOCK_K, USE_TMA)
-            bt = _wt_tile(w, n0, k, N, K, stride_wn, BLOCK_N, BLOCK_K, USE_TMA)
+            a = x_desc.load([m0, k * BLOCK_K])
+            bt = w_desc.load([n0, k * BLOCK_K]).T
             acc = mma(a, bt, acc, INPUT_PRECISION, X_TF32, W_TF32)
 
         if item + tl.num_programs(0) >= num_tiles * SPLIT_K:  # this program's last tile
             start_next_kernel(PDL)
-        _epilogue(acc, m0, n0, split, M, N, b_ptr, r, y, stride_rm, stride_ym, scale,
-                  HAS_BIAS, ACT, GELU_FIT_DEGREE, HAS_RESIDUAL, HAS_SCALE, Y_TF32, USE_TMA, Y_TMA)
+        _epilogue(acc, m0, n0, split, M, N, b_ptr, r_desc, y, 0, stride_ym, scale,
+                  HAS_BIAS, ACT, GELU_FIT_DEGREE, HAS_RESIDUAL, HAS_SCALE, Y_TF32, True, Y_TMA)
 
 
-# The tuner's disk cache is keyed by this file: a change to the kernel or the candidates starts afresh.
-_TUNER = Tuner("linear", Path(__file__).read_text())
+# 128 x 256 tiles in 4 stages of 32-deep steps: the residual GEMMs' pick before their y went through
+# pointers, still some shapes' pick since.
+WIDE_RESIDUAL = Config(128, 256, 32, 8, 4)
+# The TMA kernel's candidates by dtype and row count, from sweeps on an H100 and an H200 at ViT-S/B/L shapes
+# (scripts/sweep_kernels.py). Each list is short: every candidate of a new shape is compiled and timed once.
+LARGE_M = [
+    Config(128, 256, 64, 8, 3), Config(128, 128, 64, 8, 5), Config(128, 128, 64, 4, 4),
+    Config(128, 128, 128, 8, 3), Config(256, 128, 64, 8, 3), Config(128, 128, 64, 8, 4), WIDE_RESIDUAL,
+]
+SMALL_M = [   # a few thousand rows (ViT-B/16, 8 images): 128-row tiles, about one wave
+    Config(128, 256, 64, 8, 3), Config(128, 128, 64, 8, 4), Config(128, 128, 64, 4, 4),
+    Config(128, 128, 64, 4, 4, 0), Config(64, 256, 64, 4, 4),
+]
+TINY_M = [    # one or two images: 64-row tiles, narrow enough to give most SMs a tile
+    Config(64, 128, 64, 4, 4), Config(64, 64, 128, 4, 4, 0), Config(64, 32, 128, 4, 4),
+]
+FLOAT32 = [Config(128, 128, 32, 8, 3), Config(128, 128, 64, 8, 3), Config(128, 128, 32, 4, 4),
+           Config(64, 128, 32, 4, 4), Config(64, 64, 32, 4, 4, 0)]
+TINY_M_ROWS, SMALL_M_ROWS = 1024, 2048   # between 512 and 1024 rows both tiny and small tiles compete
 
 
-# whole_wave_rows' rule (ViT-B/L on an H100): a last wave at most this full, in a
-# launch that would leave at least this share of its program slots idle (deep launches lost).
-WAVE_SPLIT_FILL, WAVE_SPLIT_IDLE = 0.3, 0.125
-MAX_SPLITS = 4
+def _tma_candidates(M: int, dtype: torch.dtype) -> list[Config]:
+    """The TMA kernel's list for this dtype and row count."""
+    if INTERPRET:
+        return [INTERPRETER]
+    if dtype == torch.float32:
+        return FLOAT32
+    if M <= TINY_M_ROWS:
+        return TINY_M if M <= TINY_M_ROWS // 2 else TINY_M + SMALL_M
+    return SMALL_M if M <= SMALL_M_ROWS else LARGE_M
+
+
 # split_k's rule (ViT-S/B/L on an H100): products of at most SPLIT_MAX_TILES
 # 64 x 64 tiles an SM (32 x 32 under the interpreter) are cut into the most slices, up to MAX_SPLITS, that
 # keep the launch at most SPLIT_PROGRAMS programs an SM, each slice at least SPLIT_MIN_DEPTH deep.
+MAX_SPLITS = 4
 SPLIT_MAX_TILES, SPLIT_PROGRAMS = 1, 2
 SPLIT_TILE, SPLIT_MIN_DEPTH = (INTERPRETER.block_m, INTERPRETER.block_k) if INTERPRET else (64, 384)
 
@@ -312,6 +274,25 @@ def split_k(M: int, N: int, K: int, device: torch.device) -> int:
         return 1
     return next((s for s in range(MAX_SPLITS, 1, -1)
                  if tiles * s <= SPLIT_PROGRAMS * sms and K >= s * SPLIT_MIN_DEPTH), 1)
+
+
+# whole_wave_rows' rule (ViT-B/L on an H100): a last wave at most this full, in a
+# launch that would leave at least this share of its program slots idle (deep launches lost).
+WAVE_SPLIT_FILL, WAVE_SPLIT_IDLE = 0.3, 0.125
+
+
+def whole_wave_rows(M: int, N: int, config: Config, device: torch.device) -> int:
+    """The rows of x [M, K] whose output tiles fill this config's whole waves (programs a wave: one or
+    `persistent` a SM), when its last wave would be at most WAVE_SPLIT_FILL full and leave at least
+    WAVE_SPLIT_IDLE of the launch's program slots empty; else M. ViT-B/16's proj and fc2 at 16 images:
+    150 tiles of 128 x 128 on 132 SMs, so 2816 rows in one wave, then 336 rows in smaller tiles
+    instead of 18 tiles on 18 SMs."""
+    slots = sm_count(device) * max(config.persistent, 1)
+    num_n = triton.cdiv(N, config.block_n)
+    waves, last = divmod(triton.cdiv(M, config.block_m) * num_n, slots)
+    rows = waves * slots // num_n * config.block_m
+    idle = (slots - last) / ((waves + 1) * slots)
+    return rows if 0 < last <= WAVE_SPLIT_FILL * slots and idle >= WAVE_SPLIT_IDLE and 0 < rows < M else M
 
 
 def linear(
@@ -330,7 +311,7 @@ def linear(
     """y = scale * (activation(x @ weight.T + bias) + residual) for 2-D x [M, K] and weight [N, K].
 
     activation: "none", "gelu" (exact erf), "gelu_tanh" or "quick_gelu" (x * sigmoid(1.702 x)); a bf16 or fp16 y
-    gets them from one tanh an element, to within its rounding (_activation, gelu_fit_degree).
+    gets them from one tanh an element, to within its rounding (activation.py).
     allow_tf32: for float32 inputs; None follows torch.get_float32_matmul_precision().
     tf32_input, tf32_output: see tf32.py; they act only where the matmuls run on tf32.
     out must not alias x or residual.
@@ -351,7 +332,7 @@ def linear(
     flags = dict(HAS_BIAS=bias is not None, ACT=activation, GELU_FIT_DEGREE=gelu_fit_degree(x.dtype, activation),
                  HAS_RESIDUAL=residual is not None,
                  HAS_SCALE=scale != 1.0, **precision, Y_TF32=precision["INPUT_PRECISION"] == "tf32" and tf32_output,
-                 USE_TMA=tma_ready(x, weight, residual, out), SPLIT_K=1)
+                 SPLIT_K=1)
     _tuned_launch(x, weight, bias, residual, out, scale, flags)
     return out
 
@@ -375,7 +356,7 @@ def linear_partials(
     parts = torch.empty((splits * M, N), device=x.device, dtype=torch.float32)   # the slices one above the other
     weight, precision = _precision(x, weight, allow_tf32, tf32_input)
     flags = dict(HAS_BIAS=bias is not None, ACT="none", GELU_FIT_DEGREE=0, HAS_RESIDUAL=False, HAS_SCALE=False,
-                 **precision, Y_TF32=False, USE_TMA=tma_ready(x, weight, parts), SPLIT_K=splits)
+                 **precision, Y_TF32=False, SPLIT_K=splits)
     _tuned_launch(x, weight, bias, None, parts, 1.0, flags)
     return parts.view(splits, M, N)
 
@@ -409,65 +390,60 @@ def _precision(x, weight, allow_tf32: bool | None, tf32_input: bool) -> tuple[to
     return weight, dict(INPUT_PRECISION=precision, X_TF32=precision == "tf32" and tf32_input, W_TF32=w_tf32)
 
 
+# The tuner's disk cache is keyed by the kernels' source: a change to them or the candidates starts afresh.
+_TUNER = Tuner("linear", "".join(Path(__file__).with_name(name).read_text() for name in ("linear.py", "activation.py")))
+
+
 def _tuned_launch(x, weight, bias, residual, out, scale: float, flags: dict, split_waves: bool = True) -> None:
-    """Launches the kernel with the fastest candidate config for this shape and these flags. A config whose
-    last wave would leave most SMs idle runs (and is timed) as the rows of its whole waves, then the rest
-    with a config tuned for them alone (whole_wave_rows; split_waves=False for that rest)."""
+    """Launches the TMA kernel where every matrix is tma_ready, else the plain one, with the fastest of its
+    candidate configs for this shape and these flags. A config whose last wave would leave most SMs idle runs (and
+    is timed) as the rows of its whole waves, then the rest with a config tuned for them alone (whole_wave_rows;
+    split_waves=False for that rest)."""
     M, K = x.shape
     N = weight.shape[0]
+    tma = tma_ready(x, weight, residual, out)   # and so is every range of their rows
 
     def rows_of(part: slice) -> tuple:
         """The arguments of a launch over these rows of x, residual and out."""
-        x_part, r_part, y_part = x[part], None if residual is None else residual[part], out[part]
-        part_flags = dict(flags, USE_TMA=tma_ready(x_part, weight, r_part, y_part))
-        return x_part, weight, bias, r_part, y_part, scale, part_flags
+        return x[part], weight, bias, None if residual is None else residual[part], out[part], scale, flags
 
     def launch(config: Config) -> None:
         rows = whole_wave_rows(M, N, config, x.device) if split_waves and flags["SPLIT_K"] == 1 else M
         if rows == M:
-            return launch_linear(config, x, weight, bias, residual, out, scale, flags)
-        launch_linear(config, *rows_of(slice(0, rows)))
+            return launch_linear(config, x, weight, bias, residual, out, scale, flags, tma)
+        launch_linear(config, *rows_of(slice(0, rows)), tma)
         _tuned_launch(*rows_of(slice(rows, None)), split_waves=False)
 
-    key = (M, N, K, str(x.dtype), *flags.values(), split_waves)
-    launch(_TUNER.pick(key, _candidates(M, x.dtype), launch, x.device))
+    key = (M, N, K, str(x.dtype), *flags.values(), tma, split_waves)
+    candidates = _tma_candidates if tma else _plain_candidates
+    launch(_TUNER.pick(key, candidates(M, x.dtype), launch, x.device))
 
 
-def whole_wave_rows(M: int, N: int, config: Config, device: torch.device) -> int:
-    """The rows of x [M, K] whose output tiles fill this config's whole waves (programs a wave: one or
-    `persistent` a SM), when its last wave would be at most WAVE_SPLIT_FILL full and leave at least
-    WAVE_SPLIT_IDLE of the launch's program slots empty; else M. ViT-B/16's proj and fc2 at 16 images:
-    150 tiles of 128 x 128 on 132 SMs, so 2816 rows in one wave, then 336 rows in smaller tiles
-    instead of 18 tiles on 18 SMs."""
-    slots = sm_count(device) * max(config.persistent, 1)
-    num_n = triton.cdiv(N, config.block_n)
-    waves, last = divmod(triton.cdiv(M, config.block_m) * num_n, slots)
-    rows = waves * slots // num_n * config.block_m
-    idle = (slots - last) / ((waves + 1) * slots)
-    return rows if 0 < last <= WAVE_SPLIT_FILL * slots and idle >= WAVE_SPLIT_IDLE and 0 < rows < M else M
-
-
-def launch_linear(config: Config, x, weight, bias, residual, out, scale: float, flags: dict) -> None:
-    """One launch of the kernel with this config (checked inputs, flags as linear or linear_partials
-    make them)."""
+def launch_linear(config: Config, x, weight, bias, residual, out, scale: float, flags: dict, tma: bool) -> None:
+    """One launch with this config (checked inputs, flags as linear or linear_partials make them): of the TMA
+    kernel where tma (every matrix tma_ready), persistent as config.persistent says, else of the plain kernel,
+    one program per tile and slice whatever config.persistent says."""
     M, K = x.shape
     N = weight.shape[0]
     bm, bn, bk, warps, stages, persistent = config
-    splits = flags["SPLIT_K"]
-    x_arg, w_arg, r_arg, y_arg = x, weight, residual, out   # pointers, or:
-    if flags["USE_TMA"]:
-        x_arg = TensorDescriptor.from_tensor(x, [bm, bk])
-        w_arg = TensorDescriptor.from_tensor(weight, [bn, bk])
-        if residual is not None:   # y stays a pointer
-            r_arg = TensorDescriptor.from_tensor(residual, [bm, bn])
-        elif splits == 1:
-            y_arg = TensorDescriptor.from_tensor(out, [bm, bn])
-    items = triton.cdiv(M, bm) * triton.cdiv(N, bn) * splits
-    launch_pdl = pdl(x.device, items)
+    tiles, splits = triton.cdiv(M, bm) * triton.cdiv(N, bn), flags["SPLIT_K"]
+    launch_pdl = pdl(x.device, tiles * splits)
+    tile = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
+    if not tma:
+        _linear_plain_kernel[(tiles, splits)](
+            x, weight, bias, residual, out, M, N, K,
+            x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), scale,
+            **flags, **launch_pdl, **tile,
+        )
+        return
+    x_desc = TensorDescriptor.from_tensor(x, [bm, bk])
+    w_desc = TensorDescriptor.from_tensor(weight, [bn, bk])
+    r_desc = TensorDescriptor.from_tensor(residual, [bm, bn]) if residual is not None else None
+    # y through a descriptor but for a residual product and split K's partial sums (_linear_tma_kernel)
+    y = out if residual is not None or splits > 1 else TensorDescriptor.from_tensor(out, [bm, bn])
+    items = tiles * splits
     grid = (min(items, sm_count(x.device) * persistent) if persistent else items,)
-    _linear_kernel[grid](
-        x_arg, w_arg, bias, r_arg, y_arg, weight,
-        M, N, K, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), scale,
-        **flags, **launch_pdl, PREFETCH=launch_pdl["PDL"] != PDL_OFF,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages,
+    _linear_tma_kernel[grid](
+        x_desc, w_desc, bias, r_desc, y, weight, M, N, K, weight.stride(0), out.stride(0), scale,
+        **flags, **launch_pdl, PREFETCH=launch_pdl["PDL"] != PDL_OFF, **tile,
     )
