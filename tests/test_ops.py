@@ -22,6 +22,12 @@ def _qkv(B, T, H, Dh):
     return _r(B, T, 3, H, Dh).unbind(2)   # strided views, as the model passes them
 
 
+def _rope(*shape):
+    """cos, sin [(H,) T_rot, Dh] float32 tables."""
+    angles = _r(*shape, dtype=torch.float32)
+    return angles.cos(), angles.sin()
+
+
 F32 = torch.float32
 CASES = {
     "linear": (ops._linear, lambda: (_r(37, 48), _r(40, 48), _r(40), "gelu", _r(37, 40), 0.5, False, False)),
@@ -45,6 +51,10 @@ CASES = {
                                                             *_r(2, 19, 2, 3, 16).unbind(2), None, False, False)),
     "fused_attention-tf32": (ops._fused_attention, lambda: (*[t.float() for t in _qkv(2, 7, 2, 16)], None, True,
                                                             True)),
+    "fused_attention-rope": (ops._fused_attention, lambda: (*_qkv(2, 19, 3, 16), None, False, False, *_rope(18, 16),
+                                                            False, 1)),
+    "fused_attention-rope-half-per-head": (ops._fused_attention, lambda: (*_qkv(1, 7, 2, 32), None, False, False,
+                                                                          *_rope(2, 7, 32), True, 0)),
     "patch_embed": (ops._patch_embed, lambda: (_r(2, 3, 16, 24, dtype=torch.float32), _r(32, 3, 8, 8), _r(32),
                                                _r(7, 32), _r(1, 32))),
     "patch_embed-bare": (ops._patch_embed, lambda: (_r(1, 3, 8, 8), _r(16, 3, 4, 4), None, None, None)),
@@ -65,6 +75,17 @@ def test_eager_calls_skip_the_dispatcher_and_agree_with_it():
     direct = ops.linear(x, w, b, activation="gelu")
     torch.testing.assert_close(direct, torch.ops.vit_triton.linear(x, w, b, "gelu", None, 1.0, False, False), rtol=0,
                                atol=0)
+
+
+def test_torch_compile_traces_rope_attention():
+    q, k, v = _qkv(2, 21, 2, 32)
+    cos, sin = _rope(16, 32)
+
+    def attend(q, k, v, cos, sin):
+        return ops.fused_attention(q, k, v, rope=(cos, sin), rope_half=True, rope_prefix=5)
+
+    compiled = torch.compile(attend, fullgraph=True)   # a graph break would raise
+    torch.testing.assert_close(compiled(q, k, v, cos, sin), attend(q, k, v, cos, sin), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("cfg", [

@@ -70,13 +70,16 @@ def _(x, parts, weight, bias, eps, tf32_output):
 
 
 @torch.library.custom_op("vit_triton::fused_attention", mutates_args=())
-def _fused_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None, tf32_input: bool,
-                     tf32_output: bool) -> Tensor:
-    return kernels.fused_attention(q, k, v, scale=scale, tf32_input=tf32_input, tf32_output=tf32_output)
+def _fused_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None, tf32_input: bool, tf32_output: bool,
+                     cos: Tensor | None = None, sin: Tensor | None = None, rope_half: bool = False,
+                     rope_prefix: int = 0) -> Tensor:
+    rope = None if cos is None else (cos, sin)
+    return kernels.fused_attention(q, k, v, scale=scale, tf32_input=tf32_input, tf32_output=tf32_output, rope=rope,
+                                   rope_half=rope_half, rope_prefix=rope_prefix)
 
 
 @_fused_attention.register_fake
-def _(q, k, v, scale, tf32_input, tf32_output):
+def _(q, k, v, scale, tf32_input, tf32_output, cos=None, sin=None, rope_half=False, rope_prefix=0):
     # [B, Tq, H, Dh] contiguous, whatever q's strides (a query expanded over the batch has batch stride 0)
     return q.new_empty(q.shape)
 
@@ -138,11 +141,15 @@ def add_layer_norm(x: Tensor, parts: Tensor, weight: Tensor, bias: Tensor, eps: 
 
 
 def fused_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None, tf32_input: bool = False,
-                    tf32_output: bool = False) -> Tensor:
-    """kernels.fused_attention: softmax(q k^T * scale) v for q [B, Tq, H, Dh] and k, v [B, Tk, H, Dh]."""
+                    tf32_output: bool = False, rope: tuple[Tensor, Tensor] | None = None, rope_half: bool = False,
+                    rope_prefix: int = 0) -> Tensor:
+    """kernels.fused_attention: softmax(q k^T * scale) v for q [B, Tq, H, Dh] and k, v [B, Tk, H, Dh], q and k
+    rotated by rope = (cos, sin) from token rope_prefix on if given."""
     if torch.compiler.is_compiling():
-        return _fused_attention(q, k, v, scale, tf32_input, tf32_output)
-    return kernels.fused_attention(q, k, v, scale=scale, tf32_input=tf32_input, tf32_output=tf32_output)
+        cos, sin = (None, None) if rope is None else rope
+        return _fused_attention(q, k, v, scale, tf32_input, tf32_output, cos, sin, rope_half, rope_prefix)
+    return kernels.fused_attention(q, k, v, scale=scale, tf32_input=tf32_input, tf32_output=tf32_output, rope=rope,
+                                   rope_half=rope_half, rope_prefix=rope_prefix)
 
 
 def patch_embed(pixels: Tensor, weight: Tensor, bias: Tensor | None = None, pos_embed: Tensor | None = None,

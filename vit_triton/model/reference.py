@@ -86,3 +86,20 @@ def attention_pool_reference(params: dict[str, torch.Tensor], prefix: str, x: to
     h = F.layer_norm(x, (d,), params[p + "norm.weight"], params[p + "norm.bias"], eps)
     h = activation(F.linear(h, params[p + "mlp.fc1.weight"], params[p + "mlp.fc1.bias"]), act)
     return (x + F.linear(h, params[p + "mlp.fc2.weight"], params[p + "mlp.fc2.bias"]))[:, 0]
+
+
+def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: bool = False,
+                   prefix: int = 0) -> torch.Tensor:
+    """Rotary position embeddings on x [B, T, H, Dh], as kernels.fused_attention applies them to q and k: tokens
+    from `prefix` on become x cos + rotated(x) sin, with cos, sin [T - prefix, Dh] (all heads) or
+    [H, T - prefix, Dh]; rotated(x) is [-x1, x0, -x3, x2, ...] (interleaved pairs) or, if half, [-x_hi, x_lo]
+    (timm's rot and rope_rotate_half). The math in float32 (float64 for a float64 x), the result in x's dtype."""
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    tokens = x[:, prefix:].to(dtype)
+    if half:
+        lo, hi = tokens.chunk(2, -1)
+        partner = torch.cat([-hi, lo], -1)
+    else:
+        partner = torch.stack([-tokens[..., 1::2], tokens[..., ::2]], -1).flatten(-2)
+    cos, sin = (t.to(dtype).transpose(0, 1) if t.dim() == 3 else t.to(dtype)[:, None] for t in (cos, sin))
+    return torch.cat([x[:, :prefix], (tokens * cos + partner * sin).to(x.dtype)], 1)
