@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 
-import vit_triton.model.vit as vit_module
+import vit_triton.model.layers as layers_module
 from vit_triton.bench.numerics import randomize_
 from vit_triton.bench.power import Board
 from vit_triton.bench.systems import COMPILE_MODES, allow_recompiles, timm_model
@@ -43,13 +43,13 @@ def cublas_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def graph_replay(model: ViT, pixels: torch.Tensor, linear) -> tuple[CUDAGraphRunner, object]:
     """(runner, replay) of the model's forward captured with `linear` as its GEMM; the runner holds the graph's
     buffers and must be kept while the replay is used."""
-    real = vit_module.linear
-    vit_module.linear = linear
+    real = layers_module.linear
+    layers_module.linear = linear
     try:
         runner = CUDAGraphRunner(model)
         runner.capture(tuple(pixels.shape), pixels.dtype)
     finally:
-        vit_module.linear = real
+        layers_module.linear = real
     return runner, runner.graph(tuple(pixels.shape), pixels.dtype).replay
 
 
@@ -61,7 +61,7 @@ def measure(model_name: str, batch: int, modes: list[str], rounds: int, board: B
     pixels = torch.randn(batch, cfg.in_chans, cfg.image_size, cfg.image_size, device=dev).to(dtype)
     ours = randomize_(ViT(cfg, device=dev)).to(dtype).eval()
     held, runs = [], {}   # held: the runners, which keep their graphs' buffers
-    for name, linear in (("vit-triton+cudagraph", vit_module.linear),
+    for name, linear in (("vit-triton+cudagraph", layers_module.linear),
                          ("bound: cuBLAS GEMMs, free epilogues", cublas_linear)):
         runner, runs[name] = graph_replay(ours, pixels, linear)
         held.append(runner)

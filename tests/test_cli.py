@@ -30,7 +30,7 @@ def test_verify_prints_errors_and_times(capsys):
     (["bench", "--batch-sizes", "1,two"], "argument --batch-sizes: expected comma-separated positive integers"),
     (["bench", "--model", "vit_huge"], "unknown model 'vit_huge'; expected one of tiny, "),
     (["bench", "--systems", "hf,nope"], "unknown systems ['nope']; expected a subset of vit-triton,"),
-    (["bench", "--image-size", "225"], "--image-size 225: image_size 225 must be a multiple of patch_size 16"),
+    (["bench", "--image-size", "8"], "--image-size 8: image_size 8 must be at least patch_size 16"),
     (["bench", "--model", "resnet18"], "--model resnet18: from_timm takes a timm VisionTransformerDistilled or timm "
                                        "VisionTransformer, got ResNet"),
     (["classify", "a.jpg", "--model", "m", "--top-k", "0"], "argument --top-k: expected a positive integer, got '0'"),

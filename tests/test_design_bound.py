@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import vit_triton.model.vit as vit_module
+import vit_triton.model.layers as layers_module
 from tests.scripts import load_script, run_script
 from vit_triton.model import PRESETS, ViT
 
@@ -48,9 +48,9 @@ def test_the_bound_gemm_is_cublas_with_the_bias_alone():
 
 def test_the_models_gemm_comes_back_when_the_capture_fails():   # a model on the CPU cannot be captured
     script = load_script("design_bound.py")
-    real = vit_module.linear
+    real = layers_module.linear
     model = ViT(PRESETS["tiny"]).eval()
     pixels = torch.randn(1, 3, model.config.image_size, model.config.image_size)
     with pytest.raises(ValueError, match="CUDA graphs need the model on a CUDA device"):
         script.graph_replay(model, pixels, script.cublas_linear)
-    assert vit_module.linear is real
+    assert layers_module.linear is real

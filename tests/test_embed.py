@@ -142,8 +142,8 @@ def test_another_image_size_with_tokens(tmp_path, capsys):
     capsys.readouterr()
     assert _embed(str(tmp_path / "list.txt"), "--model", "deit", "--output", str(out), "--tokens", *RUN) == 2
     assert "with other settings (image_size: [16, 40] then, None now)" in capsys.readouterr().err
-    assert _embed("imgs", "--model", "deit", "--output", str(tmp_path / "x.npy"), "--image-size", "20", *RUN) == 2
-    assert "--image-size 20x20: image height and width must be positive multiples of the patch size 8" in \
+    assert _embed("imgs", "--model", "deit", "--output", str(tmp_path / "x.npy"), "--image-size", "6", *RUN) == 2
+    assert "--image-size 6x6: image height and width must be at least the patch size 8" in \
         capsys.readouterr().err
 
 

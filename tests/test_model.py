@@ -162,7 +162,7 @@ def test_float32_pixels_into_a_bf16_model():
     [
         ((3, 24, 24), torch.float32, r"4-D \[B, 3, H, W\]"),
         ((1, 1, 24, 24), torch.float32, r"3 channels"),
-        ((1, 3, 32, 20), torch.float32, r"positive multiples of the patch size 8, got 32x20"),
+        ((1, 3, 32, 7), torch.float32, r"at least the patch size 8, got 32x7"),
         ((1, 3, 24, 24), torch.float64, r"float32 or torch.float16"),
         ((1, 3, 24, 24), torch.uint8, r"float32 or torch.float16"),
     ],
@@ -180,7 +180,7 @@ def test_pixels_on_another_device():
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(image_size=30), "multiple of patch_size 8"),
+    (dict(image_size=7), "image_size 7 must be at least patch_size 8"),
     (dict(num_heads=3), "multiple of num_heads 3"),
     (dict(act="relu"), "act must be one of"),
     (dict(pool="max"), "pool must be one of"),

@@ -129,11 +129,19 @@ def test_resampled_once_per_grid_and_again_after_pos_embed_changes(monkeypatch):
     assert len(calls) == 6 and model.pos_tables.tables[(2, 5)][0].dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("shape", [(1, 3, 20, 24), (1, 3, 24, 12), (1, 3, 0, 24)])
-def test_an_image_size_that_is_no_multiple_of_the_patch_size(shape):
-    with pytest.raises(ValueError, match=rf"image height and width must be positive multiples of the patch size 8, "
+@pytest.mark.parametrize("shape", [(1, 3, 7, 24), (1, 3, 24, 5), (1, 3, 0, 24)])
+def test_an_image_smaller_than_a_patch(shape):
+    with pytest.raises(ValueError, match=rf"image height and width must be at least the patch size 8, "
                                          rf"got {shape[2]}x{shape[3]}"):
         _model()(torch.zeros(shape, device=DEVICE))
+
+
+def test_pixels_past_the_last_whole_patch_are_not_read():
+    """As a strided convolution: 30 x 21 pixels are 3 x 2 patches, the same as the first 24 x 16 of them."""
+    model = _model()
+    pixels = torch.randn(2, 3, 30, 21, device=DEVICE)
+    cropped = pixels[:, :, :24, :16].contiguous()
+    assert torch.equal(model.forward_features(pixels), model.forward_features(cropped))
 
 
 def test_an_empty_batch_at_another_size():

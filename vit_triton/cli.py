@@ -154,7 +154,7 @@ several GPUs: torchrun --nproc-per-node N -m vit_triton embed INPUT --model M --
 
 def _add_runtime_options(p: argparse.ArgumentParser, batch_help: str) -> None:
     p.add_argument("--image-size", type=image_size, default=None, metavar="N|HxW",
-                   help="run the model on images of this size, N x N or H x W pixels (multiples of the patch size), "
+                   help="run the model on images of this size, N x N or H x W pixels (at least the patch size), "
                         "instead of the checkpoint's: its preprocessing makes them, and its position embedding is "
                         "resampled as timm (dynamic_img_size) and transformers (interpolate_pos_encoding) do")
     p.add_argument("--batch-size", type=positive_int, default=None, help=batch_help)

@@ -3,7 +3,8 @@
 tokens[b, j]        = prefix[j] (+ pos[j] when pos covers the prefix)      for j < P0
 tokens[b, P0 + p]   = sum_k A[b*Np + p, k] * W[:, k] + bias + pos[p (+ P0)] for the Np patches
 
-A is the im2col matrix of pixels [B, C, H, W] (patch p at row py = p // Wp, column px = p % Wp;
+A is the im2col matrix of pixels [B, C, H, W] (Hp x Wp = floor(H / S) x floor(W / S) patches, as a strided
+convolution takes them: pixels past the last whole patch are not read; patch p at row py = p // Wp, column px = p % Wp;
 k = (c, ky, kx) in conv-weight order), gathered tile by tile from the image and never written
 out. W is the conv weight [D, C, S, S] read as [D, C*S*S]. The P0 prefix rows (class,
 distillation, register tokens) are written by extra programs of the same launch. With tf32 matmuls
@@ -128,8 +129,9 @@ def patch_embed(
     if pixels.dtype not in (weight.dtype, torch.float32):
         raise ValueError(f"pixels must be float32 or {weight.dtype}, got {pixels.dtype}")
     B, _, H, W = pixels.shape
-    if H % S or W % S:
-        raise ValueError(f"image size {H}x{W} must be a multiple of the patch size {S}")
+    if H < S or W < S:
+        raise ValueError(f"image size {H}x{W} must be at least the patch size {S} (pixels past the last whole patch "
+                         f"are not read)")
     num_patches = (H // S) * (W // S)
     num_prefix = 0 if prefix_tokens is None else prefix_tokens.shape[0]
     T = num_prefix + num_patches

@@ -54,8 +54,8 @@ class ViTConfig:
     pos_resample: str = "bicubic_float32_antialias"
 
     def __post_init__(self) -> None:
-        if self.image_size % self.patch_size:
-            raise ValueError(f"image_size {self.image_size} must be a multiple of patch_size {self.patch_size}")
+        if self.image_size < self.patch_size:
+            raise ValueError(f"image_size {self.image_size} must be at least patch_size {self.patch_size}")
         if self.embed_dim % self.num_heads:
             raise ValueError(f"embed_dim {self.embed_dim} must be a multiple of num_heads {self.num_heads}")
         if not 16 <= self.head_dim <= 256:

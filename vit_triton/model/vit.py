@@ -4,8 +4,9 @@ Parameter names follow timm (patch_embed, blocks.i.qkv, blocks.i.fc1, norm, head
 that the prefix tokens (class, distillation, then registers) are one tensor, prefix_tokens [P0, D], and
 position embeddings are [T_pos, D] without timm's leading batch dimension.
 
-Images of any height and width that are multiples of the patch size run: the position embedding is resampled
-to their patch grid as the checkpoint's library does it (pos_embed.py, ViTConfig.pos_resample).
+Images of any height and width of at least the patch size run: the patch grid is floor(side / patch) (pixels past
+the last whole patch are not read, as the libraries' strided convolution does: SigLIP's 384 px at patch 14), and
+the position embedding is resampled to it as the checkpoint's library does (pos_embed.py, ViTConfig.pos_resample).
 """
 
 from __future__ import annotations
@@ -87,12 +88,11 @@ class ViT(nn.Module):
             self.blocks[-1].defer_fc2 = self.norm is not None
 
     def grid(self, height: int, width: int) -> tuple[int, int]:
-        """The patch grid (rows, columns) of height x width images; ValueError unless both sides are positive
-        multiples of the patch size."""
+        """The patch grid (rows, columns) of height x width images, floor(side / patch); ValueError unless both
+        sides are at least the patch size."""
         p = self.config.patch_size
-        if height < p or width < p or height % p or width % p:
-            raise ValueError(f"image height and width must be positive multiples of the patch size {p}, got "
-                             f"{height}x{width}")
+        if height < p or width < p:
+            raise ValueError(f"image height and width must be at least the patch size {p}, got {height}x{width}")
         return height // p, width // p
 
     def refresh_pos_embed(self) -> None:
@@ -118,7 +118,7 @@ class ViT(nn.Module):
 
     def forward_features(self, pixels: torch.Tensor) -> torch.Tensor:
         """Tokens [B, T, D] after the blocks and the final norm (HF last_hidden_state), for pixels [B, C, H, W] of
-        any H and W that are multiples of the patch size."""
+        any H and W of at least the patch size."""
         grid = self._check_pixels(pixels)
         cfg = self.config
         if pixels.shape[0] == 0:   # no image: no kernel has a program to run
