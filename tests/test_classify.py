@@ -70,9 +70,9 @@ def test_another_image_size_equals_transformers_at_that_size(work, capsys):
 
 
 def test_an_image_size_the_model_does_not_take_is_a_usage_error(capsys):
-    assert main(["classify", "img0.jpg", "--model", "vit", "--image-size", "30"]) == 2
-    assert ("vit-triton classify: error: --image-size 30x30: image height and width must be positive multiples of "
-            "the patch size 8, got 30x30") in capsys.readouterr().err
+    assert main(["classify", "img0.jpg", "--model", "vit", "--image-size", "6"]) == 2
+    assert ("vit-triton classify: error: --image-size 6x6: image height and width must be at least the patch size "
+            "8, got 6x6") in capsys.readouterr().err
 
 
 def test_text_output_and_unreadable_images(capsys):
