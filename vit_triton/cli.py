@@ -226,8 +226,9 @@ def _bench_model(args: argparse.Namespace):
     from .model import PRESETS
 
     if args.model in PRESETS:
+        cfg = PRESETS[args.model]
         try:
-            return dataclasses.replace(PRESETS[args.model], image_size=args.image_size or PRESETS[args.model].image_size), None
+            return (dataclasses.replace(cfg, image_size=args.image_size) if args.image_size else cfg), None
         except ValueError as e:
             args.usage_error(f"--image-size {args.image_size}: {e}")
     try:

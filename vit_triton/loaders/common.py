@@ -107,10 +107,13 @@ class Mapped:
             self.tensors[table] = rows[1:]
             self.origin[key] = self.origin[key] + self.origin[table]
 
-    def move(self, key: str, new_key: str) -> None:
-        """tensors[key] renamed to new_key (a checkpoint layer that plays another of our roles)."""
-        if key in self.tensors:
-            self.tensors[new_key], self.origin[new_key] = self.tensors.pop(key), self.origin.pop(key)
+    def move(self, layer: str, new_layer: str) -> None:
+        """layer's weight and bias renamed to new_layer's (a checkpoint layer that plays another of our roles)."""
+        for name in ("weight", "bias"):
+            key = f"{layer}.{name}"
+            if key in self.tensors:
+                self.tensors[f"{new_layer}.{name}"] = self.tensors.pop(key)
+                self.origin[f"{new_layer}.{name}"] = self.origin.pop(key)
 
     def split(self, key: str, parts: list[str], rows: int) -> None:
         """tensors[key] cut along dim 0 into parts of `rows` rows each (the last takes the rest): one matrix that

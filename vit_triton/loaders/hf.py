@@ -7,8 +7,8 @@ transformers 5's (layers.N.attention.q_proj, mlp.fc1, ...). All map here. q, k a
 QKV weight; DINOv2's LayerScale is folded into the layer before it; SigLIP's head (probe, attention.in_proj,
 out_proj, layernorm, mlp) becomes attn_pool (latent, q and kv, proj, norm, mlp). Not part of our forward:
 ViTModel's pooler (dense + tanh over the class token), mask tokens, the text tower of a CLIPModel or SiglipModel
-checkpoint and ViT-MAE's decoder. DeiT is ViT with a distillation token after the class token, and with a teacher, a second classifier
-on it (cls_classifier -> head, distillation_classifier -> head_dist).
+checkpoint and ViT-MAE's decoder. DeiT is ViT with a distillation token after the class token, and with a
+teacher, a second classifier on it (cls_classifier -> head, distillation_classifier -> head_dist).
 """
 
 from __future__ import annotations
@@ -119,7 +119,8 @@ def hf_config_to_vit(config: dict, num_classes: int = 0, head_dist: bool = False
         patch_bias=not clip, pre_norm=clip, fc_norm=clip,   # CLIP normalizes only the pooled class token
         pool="map" if siglip else "token",
         num_classes=num_classes, dist_token=model_type == "deit", head_dist=head_dist,
-        proj_dim=config["projection_dim"] if projection else 0, pos_resample=_POS_RESAMPLES.get(model_type, "bicubic"),
+        proj_dim=config["projection_dim"] if projection else 0,
+        pos_resample=_POS_RESAMPLES.get(model_type, "bicubic"),
     )
 
 
@@ -146,8 +147,7 @@ def hf_state_dict_to_vit(state_dict: dict[str, torch.Tensor], cfg: ViTConfig) ->
     mapped.split("attn_pool.in_proj.bias", ["attn_pool.q.bias", "attn_pool.kv.bias"], d)
     mapped.reshape("attn_pool.latent", -1, d)
     if cfg.fc_norm:   # CLIP's post_layernorm
-        for name in ("weight", "bias"):
-            mapped.move(f"norm.{name}", f"fc_norm.{name}")
+        mapped.move("norm", "fc_norm")
     return mapped.check(cfg, "HuggingFace")
 
 

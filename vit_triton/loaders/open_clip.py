@@ -74,11 +74,9 @@ def open_clip_state_dict_to_vit(state_dict: dict[str, torch.Tensor], cfg: ViTCon
     """Our state dict from an OpenCLIP one (the vision tower's keys); raises listing every mismatch by the
     checkpoint's own key names."""
     mapped = Mapped(state_dict, _RULES, _UNUSED)
-    mapped.reshape("cls_token", 1, -1)
+    mapped.concat("prefix_tokens", ["cls_token"])
     mapped.transpose("proj.weight")
     mapped.fold_layer_scale(cfg.depth)
     if cfg.fc_norm:
-        for name in ("weight", "bias"):
-            mapped.move(f"norm.{name}", f"fc_norm.{name}")
-    mapped.move("cls_token", "prefix_tokens")
+        mapped.move("norm", "fc_norm")
     return mapped.check(cfg, "OpenCLIP")
