@@ -8,6 +8,8 @@ POOLS = ("token", "avg", "map")
 ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu")   # the MLP's, each one of the linear kernel's epilogues
 # How the position table is resampled to another patch grid, as each library does it (model/pos_embed.py).
 POS_RESAMPLES = ("bicubic_float32_antialias", "bicubic_float32", "bicubic")
+# Rotary position embeddings, each as its library builds the tables (model/rope.py).
+ROPES = ("none", "axial", "mixed", "centered", "centered_inv_freq")
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,17 @@ class ViTConfig:
     in float32 and antialiased (timm's resample_abs_pos_embed; transformers' Dinov2WithRegisters),
     "bicubic_float32" in float32 (transformers' Dinov2), "bicubic" in the table's own dtype (transformers' ViT,
     DeiT, CLIP, SigLIP, ViTMAE).
+    rope: rotary position embeddings on q and k of the patch tokens in every block (model/rope.py), "none" for
+    none; "axial" as timm's RotaryEmbeddingCat (EVA02, RoPE-ViT axial, SBB): per axis, index * rope_theta^(-4k/Dh);
+    "mixed" as timm's RotaryEmbeddingMixed (RoPE-ViT mixed): learned frequencies per layer and head, the model's
+    rope_freqs; "centered" as timm's RotaryEmbeddingDinoV3: patch centres in [-1, 1], angle 2 pi c / rope_theta^(4k/Dh);
+    "centered_inv_freq" as transformers' DINOv3ViT: 2 pi c * (1 / rope_theta^(4k/Dh)), which differs in last bits.
+    rope_half pairs channels a half apart (i, i + Dh/2) instead of (2i, 2i + 1); rope_xy orders the coordinates
+    (column, row) instead of (row, column) (timm's rope_grid_indexing "xy"); rope_offset is added to every index or
+    centre (timm's rope_grid_offset); rope_ref_grid (rows, cols), "axial" only, stretches the positions of any grid
+    onto that one (EVA's ref_feat_shape). rope_cpu computes the tables on the CPU, then moves them, as timm's
+    fixed-size models build theirs at creation; else on the device, as with timm's dynamic_img_size and in
+    transformers (a GPU's sin and cos differ from the CPU's in last bits).
     """
 
     image_size: int = 224
@@ -52,6 +65,13 @@ class ViTConfig:
     head_dist: bool = False
     proj_dim: int = 0
     pos_resample: str = "bicubic_float32_antialias"
+    rope: str = "none"
+    rope_theta: float = 10000.0
+    rope_half: bool = False
+    rope_xy: bool = False
+    rope_offset: float = 0.0
+    rope_ref_grid: tuple[int, int] | None = None
+    rope_cpu: bool = False
 
     def __post_init__(self) -> None:
         if self.image_size < self.patch_size:
@@ -78,6 +98,21 @@ class ViTConfig:
         if self.proj_dim and self.num_classes:
             raise ValueError(f"a model has a classifier or an embedding projection, not both: got num_classes "
                              f"{self.num_classes} and proj_dim {self.proj_dim}")
+        self._check_rope()
+
+    def _check_rope(self) -> None:
+        if self.rope not in ROPES:
+            raise ValueError(f"rope must be one of {ROPES}, got {self.rope!r}")
+        # Numbers as JSON gives them back (to_dict then json): the ref grid as a list, a theta as an int.
+        object.__setattr__(self, "rope_theta", float(self.rope_theta))
+        if self.rope_ref_grid is not None:
+            object.__setattr__(self, "rope_ref_grid", tuple(self.rope_ref_grid))
+            if len(self.rope_ref_grid) != 2 or min(self.rope_ref_grid) < 1 or self.rope != "axial":
+                raise ValueError(f"rope_ref_grid must be None or (rows, cols) of at least 1 with rope 'axial', got "
+                                 f"{self.rope_ref_grid} with rope {self.rope!r}")
+        if self.rope != "none" and (self.head_dim % 4 or self.rope_theta <= 0):
+            raise ValueError(f"rope needs a head dim that is a multiple of 4 and rope_theta > 0, got head dim "
+                             f"{self.head_dim} and rope_theta {self.rope_theta}")
 
     @property
     def head_dim(self) -> int:
