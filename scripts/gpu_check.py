@@ -56,7 +56,7 @@ def timm_clip_large() -> tuple[str, torch.nn.Module, callable, callable, int]:
 def _hf_family(name: str, model: torch.nn.Module, size: int) -> tuple[str, torch.nn.Module, callable, callable, int]:
     """A transformers vision encoder: last_hidden_state and the image embedding (pooler_output, projected
     where the model has a projection), at `size` (position embedding resampled when it is not the model's)."""
-    kw = {} if type(model).__name__.startswith("Dinov2") else {"interpolate_pos_encoding": True}
+    kw = {} if type(model).__name__.startswith(("Dinov2", "DINOv3")) else {"interpolate_pos_encoding": True}
 
     def run(m, px):
         out = (m.vision_model if hasattr(m, "visual_projection") else m)(px, **kw)
@@ -87,6 +87,22 @@ def hf_siglip_so400m() -> tuple[str, torch.nn.Module, callable, callable, int]:
     config = SiglipVisionConfig(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
                                 patch_size=14, image_size=384)
     return _hf_family("google/siglip-so400m-patch14-384", SiglipVisionModel(config), 384)
+
+
+def timm_eva02_base() -> tuple[str, torch.nn.Module, callable, callable, int]:
+    import timm
+
+    ref = _random(timm.create_model("eva02_base_patch14_448", pretrained=False))
+    return ("eva02_base_patch14_448", ref, vit_triton.from_timm,
+            lambda m, px: (f := m.forward_features(px), m.forward_head(f)), 448)
+
+
+def hf_dinov3_large() -> tuple[str, torch.nn.Module, callable, callable, int]:
+    from transformers import DINOv3ViTConfig, DINOv3ViTModel
+
+    config = DINOv3ViTConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                             patch_size=16, image_size=224, num_register_tokens=4)
+    return _hf_family("facebook/dinov3-vitl16-pretrain-lvd1689m", DINOv3ViTModel(config), 224)
 
 
 def set_tf32(on: bool) -> None:
@@ -133,7 +149,8 @@ def check_model(name, ref32, convert, run_ref, size, rows, precisions, batches, 
 
 
 MODELS = {"vit-base": hf_vit_base, "clip-large": timm_clip_large, "dinov2-large": hf_dinov2_large,
-          "clip-large-hf": hf_clip_large, "siglip-so400m": hf_siglip_so400m}
+          "clip-large-hf": hf_clip_large, "siglip-so400m": hf_siglip_so400m, "eva02-base": timm_eva02_base,
+          "dinov3-large": hf_dinov3_large}
 
 
 def main() -> int:

@@ -33,12 +33,13 @@ def hf_model(cls_name: str, seed: int = 0, **kw) -> torch.nn.Module:
 
 
 def family_outputs(model, pixels):
-    """A transformers DINOv2, CLIP, SigLIP or ViT-MAE encoder's last_hidden_state, the image embedding its library
+    """A transformers DINOv2, DINOv3, CLIP, SigLIP or ViT-MAE encoder's last_hidden_state, the image embedding its library
     defines, and the pooled features before a projection; at any input size, as each resamples its position
     embedding (interpolate_pos_encoding; DINOv2 always does)."""
     import transformers
 
-    any_size = {} if type(model).__name__.startswith("Dinov2") else {"interpolate_pos_encoding": True}
+    # DINOv2 always resamples its position embedding; DINOv3 has none
+    any_size = {} if type(model).__name__.startswith(("Dinov2", "DINOv3")) else {"interpolate_pos_encoding": True}
 
     if isinstance(model, transformers.ViTMAEModel):   # no masking: mask_ratio 0 and the patches kept in order
         patches = (pixels.shape[2] // model.config.patch_size) * (pixels.shape[3] // model.config.patch_size)

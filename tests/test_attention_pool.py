@@ -146,7 +146,7 @@ def test_torch_compile_traces_it():
 
 @pytest.mark.parametrize("change, message", [
     (dict(num_heads=5), "dim 96 must be a multiple of num_heads 5"),
-    (dict(act="relu"), "act must be one of ('gelu', 'gelu_tanh', 'quick_gelu'), got 'relu'"),
+    (dict(act="relu"), "act must be one of ('gelu', 'gelu_tanh', 'quick_gelu', 'swiglu'), got 'relu'"),
 ])
 def test_bad_arguments(change, message):
     with raises_value_error(message):

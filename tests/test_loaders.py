@@ -8,7 +8,7 @@ import pytest
 import timm
 import torch
 import transformers
-from timm.layers import RmsNorm
+from timm.layers import RmsNorm, SwiGLUPacked
 from timm.models.vision_transformer import VisionTransformer
 
 from tests.checkpoints import family_outputs
@@ -68,6 +68,8 @@ def test_from_hf_matches_transformers(variant, dtype):
 TINY_VISION = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=24, patch_size=8)
 FAMILIES = {
     "dinov2": (transformers.Dinov2Model, transformers.Dinov2Config, dict(mlp_ratio=2, layerscale_value=0.5)),
+    "dinov2-giant-swiglu": (transformers.Dinov2Model, transformers.Dinov2Config, dict(mlp_ratio=3,
+                                                                                   use_swiglu_ffn=True)),
     "dinov2-registers": (transformers.Dinov2WithRegistersModel, transformers.Dinov2WithRegistersConfig,
                          dict(mlp_ratio=2, num_register_tokens=4, qkv_bias=False)),
     "clip": (transformers.CLIPVisionModel, transformers.CLIPVisionConfig, dict(intermediate_size=96)),
@@ -77,6 +79,11 @@ FAMILIES = {
         hidden_size=32, intermediate_size=40, num_hidden_layers=1, num_attention_heads=2))),
     "vit-mae": (transformers.ViTMAEModel, transformers.ViTMAEConfig, dict(intermediate_size=96, mask_ratio=0.0)),
     "siglip": (transformers.SiglipVisionModel, transformers.SiglipVisionConfig, dict(intermediate_size=96)),
+    # rotary tables and no position embedding, registers, layer scale, no key bias; the "plus" sizes gate the MLP
+    "dinov3": (transformers.DINOv3ViTModel, transformers.DINOv3ViTConfig, dict(intermediate_size=96,
+                                                                               num_register_tokens=4)),
+    "dinov3-gated": (transformers.DINOv3ViTModel, transformers.DINOv3ViTConfig, dict(
+        intermediate_size=96, use_gated_mlp=True, hidden_act="silu", num_register_tokens=2, mlp_bias=False)),
     "siglip-model": (transformers.SiglipModel, transformers.SiglipConfig, dict(text_config=dict(
         hidden_size=32, intermediate_size=40, num_hidden_layers=1, num_attention_heads=2))),
 }
@@ -92,7 +99,7 @@ def _family_model(family: str) -> torch.nn.Module:
 @pytest.mark.parametrize("size", [24, (24, 40)])   # the checkpoint's 3 x 3 patches, and 3 x 5 resampled
 @pytest.mark.parametrize("family, dtype", [(f, torch.float32) for f in FAMILIES]
                          + [(f, torch.bfloat16) for f in ("dinov2", "dinov2-registers", "clip-projection", "siglip",
-                                                         "vit-mae")])
+                                                         "vit-mae", "dinov3", "dinov3-gated")])
 def test_from_hf_families_match_transformers(family, dtype, size):
     _check_parity(_family_model(family), family_outputs, from_hf, dtype, size)
 
@@ -206,6 +213,8 @@ TIMM_VARIANTS = {
     "token-no-final-norm": dict(final_norm=False, num_classes=0),
     "layer-scale-registers-no_embed_class": dict(init_values=0.5, reg_tokens=4, no_embed_class=True, num_classes=0),
     "siglip-map-head": dict(class_token=False, global_pool="map", act_layer="gelu_tanh", num_classes=5),
+    "dinov2-giant-swiglu-packed": dict(mlp_layer=SwiGLUPacked, act_layer=torch.nn.SiLU, init_values=0.5,
+                                       num_classes=0),
 }
 
 
@@ -232,6 +241,51 @@ def test_from_timm_with_dynamic_img_size_matches_timm(variant, size, dtype):
     model = VisionTransformer(**{**TINY_TIMM, "img_size": 32}, dynamic_img_size=True, **TIMM_ANY_SIZE[variant])
     assert from_timm(model).config.pos_resample == "bicubic_float32_antialias"
     _check_parity(model, _run_timm, from_timm, dtype, SIZES[size])
+
+
+# timm's Eva architectures, shrunk (head dim 32): EVA02 (rotary "axial" on a 16 x 16 reference grid, GluMlp's packed
+# SwiGLU; Base/Large: separate q, k, v and SwiGLU with its sub-norm), the RoPE ViTs (axial with registers and no
+# class token, mixed with learned per-layer frequencies and layer scale), DINOv3 (centered, half pairs, registers,
+# layer scale; the "plus" sizes with SwiGLU).
+TINY_EVA = dict(img_size=32, patch_size=8, embed_dim=64, num_heads=2, depth=2)
+EVA_VARIANTS = {
+    "eva02-tiny": ("eva02_tiny_patch14_224", dict(num_classes=7)),
+    "eva02-base-swiglu-subnorm": ("eva02_base_patch14_448", dict(num_classes=0)),
+    "rope-axial-reg4-gap": ("vit_betwixt_patch16_rope_reg4_gap_256", dict(num_classes=5)),
+    "rope-mixed": ("vit_small_patch16_rope_mixed_224", dict(num_classes=0, init_values=0.5)),
+    "dinov3": ("vit_small_patch16_dinov3", dict(num_classes=0)),
+    "dinov3-plus-swiglu-token": ("vit_huge_plus_patch16_dinov3", dict(num_classes=0, global_pool="token")),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("variant", EVA_VARIANTS)
+def test_from_timm_eva_matches_timm(variant, size, dtype):
+    name, kw = EVA_VARIANTS[variant]
+    # At another size timm needs dynamic_img_size (its rotary tables then come from the device, not the CPU).
+    model = timm.create_model(name, pretrained=False, **TINY_EVA, **kw, dynamic_img_size=size != "native")
+    _check_parity(model, _run_timm, from_timm, dtype, SIZES[size])
+
+
+def test_eva_config():
+    name, kw = EVA_VARIANTS["eva02-base-swiglu-subnorm"]
+    cfg = from_timm(timm.create_model(name, pretrained=False, **TINY_EVA, **kw)).config
+    assert (cfg.act, cfg.mlp_norm, cfg.rope, cfg.rope_ref_grid, cfg.rope_half, cfg.rope_cpu) == (
+        "swiglu", True, "axial", (16, 16), False, True)
+    cfg = from_timm(timm.create_model("vit_small_patch16_dinov3", pretrained=False, **TINY_EVA)).config
+    assert (cfg.rope, cfg.rope_theta, cfg.rope_half, cfg.reg_tokens, cfg.abs_pos_embed, cfg.qkv_bias) == (
+        "centered", 100.0, True, 4, False, False)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(qk_norm=True), "qk_norm"),
+    (dict(scale_attn_inner=True), r"an attention scale norm \(scale_attn_inner\)"),
+    (dict(global_pool="map"), r"global_pool 'map' \(supported: token, avg\)"),
+])
+def test_unsupported_eva_features(kw, match):
+    with pytest.raises(ValueError, match=match):
+        from_timm(timm.create_model("eva02_tiny_patch14_224", pretrained=False, **TINY_EVA, **kw))
 
 
 def test_timm_distilled_deit_with_dynamic_img_size():
@@ -292,7 +346,7 @@ def test_unsupported_timm_features(kw, match):
 
 
 def test_unsupported_modules():
-    with pytest.raises(ValueError, match="timm VisionTransformer, got Linear"):
+    with pytest.raises(ValueError, match="timm VisionTransformer, VisionTransformerDistilled or Eva, got Linear"):
         from_timm(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="ViTForImageClassification, DeiTModel, .*, got Linear"):
         from_hf(torch.nn.Linear(2, 2))

@@ -27,6 +27,13 @@ VARIANTS = {
     "deit-dist_token-registers": dict(dist_token=True, reg_tokens=2, num_classes=50),
     "siglip-map-no-class": dict(class_token=False, pool="map", act="gelu_tanh"),
     "clip-projection": dict(pre_norm=True, patch_bias=False, fc_norm=True, proj_dim=40),
+    "eva02-swiglu-mlp_norm-rope-axial": dict(act="swiglu", mlp_norm=True, rope="axial", rope_ref_grid=(16, 16),
+                                             pool="avg", fc_norm=True, num_classes=50),
+    "dinov3-rope-centered-half-registers-no-pos": dict(rope="centered", rope_theta=100.0, rope_half=True,
+                                                       abs_pos_embed=False, reg_tokens=4),
+    "rope-mixed-xy-head": dict(rope="mixed", rope_xy=True, rope_theta=10.0, num_classes=50),
+    "rmsnorm-swiglu-no-biases": dict(norm="rmsnorm", act="swiglu", qkv_bias=False, proj_bias=False,
+                                     mlp_bias=False, class_token=False, pool="avg"),
 }
 
 
@@ -51,7 +58,9 @@ def test_forward_matches_reference(variant, dtype):
 
 # Each variant at images of 2 x 5 patches (the model's own grid is 3 x 3), with one of the resampling styles.
 ANY_SIZE = [("cls-head", "bicubic"), ("avg-fc_norm-registers", "bicubic_float32_antialias"),
-            ("no-class-no_embed_class", "bicubic_float32"), ("deit-distilled", "bicubic_float32_antialias")]
+            ("no-class-no_embed_class", "bicubic_float32"), ("deit-distilled", "bicubic_float32_antialias"),
+            ("dinov3-rope-centered-half-registers-no-pos", "bicubic"), ("rope-mixed-xy-head", "bicubic"),
+            ("eva02-swiglu-mlp_norm-rope-axial", "bicubic_float32_antialias")]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -190,6 +199,7 @@ def test_pixels_on_another_device():
     (dict(dist_token=True, class_token=False, pool="avg"), "dist_token follows the class token"),
     (dict(head_dist=True, num_classes=3), "head_dist needs dist_token=True"),
     (dict(head_dist=True, dist_token=True), "head_dist needs dist_token=True, num_classes > 0"),
+    (dict(norm="batchnorm"), r"norm must be one of \('layernorm', 'rmsnorm'\), got 'batchnorm'"),
 ])
 def test_bad_config(kw, match):
     with pytest.raises(ValueError, match=match):

@@ -11,7 +11,7 @@ import torch
 from tests.checkpoints import family_outputs, hf_model, save_hf, save_timm, timm_model
 from tests.numerics import DEVICE, assert_close, randomize_
 from vit_triton import from_hf, from_pretrained, from_timm
-from vit_triton.loaders import CheckpointNotFound, read_checkpoint, timm_config_to_vit
+from vit_triton.loaders import CheckpointNotFound, read_checkpoint
 
 
 def _check(ours, ref, features_and_output) -> None:
@@ -28,7 +28,7 @@ def _check(ours, ref, features_and_output) -> None:
 
 def _hf_outputs(model, pixels):
     name = type(model).__name__
-    if name.startswith(("ViTMAE", "CLIP", "Dinov2", "Siglip")):
+    if name.startswith(("ViTMAE", "CLIP", "Dinov2", "DINOv3", "Siglip")):
         features, output, _ = family_outputs(model.vit if name == "ViTMAEForPreTraining" else model, pixels)
         return features, output
     inner = getattr(model, "vit", None) or getattr(model, "deit", None) or model
@@ -50,6 +50,7 @@ HF_CASES = {
     "CLIPVisionModelWithProjection": dict(projection_dim=24),
     "SiglipModel": dict(),
     "SiglipVisionModel": dict(hidden_act="gelu"),
+    "DINOv3ViTModel": dict(num_register_tokens=4, use_gated_mlp=True, hidden_act="silu"),
     "ViTMAEForPreTraining": dict(mask_ratio=0.0, decoder_hidden_size=32, decoder_num_hidden_layers=1,
                                  decoder_intermediate_size=40, decoder_num_attention_heads=2),
 }
@@ -109,8 +110,14 @@ TIMM_CASES = {
     "clip-quickgelu": ("vit_base_patch16_clip_quickgelu_224", dict(embed_dim=64, num_heads=2, num_classes=2), True),
     "deit3-layer-scale": ("deit3_small_patch16_224", dict(embed_dim=64, num_heads=2, num_classes=3), True),
     "dinov2-registers": ("vit_small_patch14_reg4_dinov2", dict(embed_dim=64, num_heads=2, patch_size=8), True),
+    # SwiGLUPacked, recorded nowhere: read from fc1 being twice as tall as fc2 is wide
+    "dinov2-giant-swiglu": ("vit_giant_patch14_dinov2", dict(embed_dim=96, num_heads=2, patch_size=8), True),
     # global_pool 'map' and no class token are the architecture's, not in model_args: read from the tensors
     "siglip-map": ("vit_base_patch16_siglip_224", dict(embed_dim=64, num_heads=2), True),
+    # Eva: rotary settings come from the architecture, built by timm on the meta device
+    "eva02-tiny": ("eva02_tiny_patch14_224", dict(embed_dim=64, num_heads=2, patch_size=8, num_classes=3), True),
+    "rope-mixed": ("vit_small_patch16_rope_mixed_224", dict(embed_dim=64, num_heads=2, num_classes=0), True),
+    "dinov3": ("vit_small_patch16_dinov3", dict(embed_dim=64, num_heads=2, patch_size=8), True),
 }
 
 
@@ -123,7 +130,7 @@ def test_timm_checkpoint_matches_timm(case, tmp_path):
     # a weights file with its config.json beside it names the same checkpoint as the directory
     ours = from_pretrained(directory / weights if case.startswith("deit") else directory,
                            device=DEVICE, dtype=torch.float32)
-    assert ours.config == timm_config_to_vit(ref)  # what the live module says, incl. eps and activation
+    assert ours.config == from_timm(ref).config  # what the live module says, incl. eps and activation
     assert ours.checkpoint.library == "timm" and ours.checkpoint.architecture == name
     assert ours.checkpoint.preprocessing["input_size"] == [3, 32, 32]
     _check(ours, ref, _timm_outputs)

@@ -9,6 +9,8 @@ T tokens, Np patches, width D, MLP width F, C*S*S values per patch and depth L:
 
     2*Np*D*C*S*S + L * (2*T*D*3D + 4*T*T*D + 2*T*D*D + 4*T*D*F) + 2*D*num_classes
 
+with 6*T*D*F for a gated MLP (act "swiglu": fc1 is 2F wide).
+
 Bytes are each kernel's inputs read once and outputs written once (weights included), the floor
 for a kernel that cannot keep its operands on chip between launches.
 """
@@ -43,13 +45,16 @@ def model_flops(cfg: ViTConfig, batch: int = 1) -> int:
     """Matrix-product FLOPs of one forward pass of `batch` images (formula in the module doc)."""
     t, d, f = cfg.num_tokens, cfg.embed_dim, cfg.mlp_dim
     patch = 2 * cfg.num_patches * d * cfg.in_chans * cfg.patch_size ** 2
-    block = 2 * t * d * 3 * d + 4 * t * t * d + 2 * t * d * d + 4 * t * d * f
+    mlp = (6 if cfg.act == "swiglu" else 4) * t * d * f
+    block = 2 * t * d * 3 * d + 4 * t * t * d + 2 * t * d * d + mlp
     return batch * (patch + cfg.depth * block + 2 * d * cfg.num_classes)
 
 
 def linear_cost(name: str, m: int, n: int, k: int, elem: int, bias: bool = True, residual: bool = False,
                 act: str = "none", count: int = 1) -> KernelCost:
-    moved = m * k + n * k + m * n + (m * n if residual else 0) + (n if bias else 0)
+    """y = act(x [m, k] @ w[n, k]^T + b) (+ residual): y is [m, n], or [m, n / 2] gated ("swiglu")."""
+    out = m * n // 2 if act == "swiglu" else m * n
+    moved = m * k + n * k + out + (out if residual else 0) + (n if bias else 0)
     return KernelCost(name, "linear", f"{m}x{k} @ {k}x{n}", 2 * m * n * k, moved * elem, count,
                       dict(m=m, n=n, k=k, bias=bias, residual=residual, act=act))
 
@@ -61,11 +66,12 @@ def forward_costs(cfg: ViTConfig, batch: int, elem: int) -> list[KernelCost]:
     t, d, f, depth = cfg.num_tokens, cfg.embed_dim, cfg.mlp_dim, cfg.depth
     m, k_patch = batch * t, cfg.in_chans * cfg.patch_size ** 2
     pixels = batch * cfg.in_chans * cfg.image_size ** 2
-    pos = (t if cfg.pos_embed_prefix else cfg.num_patches) * d
+    pos = (t if cfg.pos_embed_prefix else cfg.num_patches) * d if cfg.abs_pos_embed else 0
+    rms = cfg.norm == "rmsnorm"
 
-    def ln(name, rows, count=1):
-        return KernelCost(name, "layer_norm", f"{rows}x{d}", 8 * rows * d, (2 * rows * d + 2 * d) * elem, count,
-                          dict(m=rows, d=d))
+    def ln(name, rows, count=1, width=d):
+        return KernelCost(name, "layer_norm", f"{rows}x{width}", 8 * rows * width,
+                          (2 * rows * width + (1 if rms else 2) * width) * elem, count, dict(m=rows, d=width, rms=rms))
 
     costs = [KernelCost("patch_embed", "patch_embed", f"{batch}x{cfg.in_chans}x{cfg.image_size}^2 -> {t}x{d}",
                         2 * batch * cfg.num_patches * d * k_patch,
@@ -78,10 +84,13 @@ def forward_costs(cfg: ViTConfig, batch: int, elem: int) -> list[KernelCost]:
         linear_cost("linear qkv", m, 3 * d, d, elem, bias=cfg.qkv_bias, count=depth),
         KernelCost("fused_attention", "fused_attention", f"{batch}x{cfg.num_heads}x{t}x{cfg.head_dim}",
                    4 * batch * t * t * d, 4 * m * d * elem, depth, dict(batch=batch)),
-        linear_cost("linear proj +res", m, d, d, elem, residual=True, count=depth),
-        linear_cost(f"linear fc1 +{cfg.act}", m, f, d, elem, act=cfg.act, count=depth),
-        linear_cost("linear fc2 +res", m, d, f, elem, residual=True, count=depth),
+        linear_cost("linear proj +res", m, d, d, elem, bias=cfg.proj_bias, residual=True, count=depth),
+        linear_cost(f"linear fc1 +{cfg.act}", m, 2 * f if cfg.act == "swiglu" else f, d, elem, bias=cfg.mlp_bias,
+                    act=cfg.act, count=depth),
+        linear_cost("linear fc2 +res", m, d, f, elem, bias=cfg.mlp_bias, residual=True, count=depth),
     ]
+    if cfg.mlp_norm:
+        costs.append(ln("layer_norm mlp", m, depth, width=f))
     if cfg.final_norm and not cfg.fc_norm:
         costs.append(ln("layer_norm final", m))
     if cfg.pool == "avg":

@@ -35,14 +35,24 @@ class System:
 
 
 def hf_model(cfg: ViTConfig) -> torch.nn.Module | None:
-    """transformers' model of `cfg`'s shape (random weights, sdpa attention): ViT, DINOv2 with registers, CLIP's
-    or SigLIP's vision tower, or None where none of them expresses it."""
+    """transformers' model of `cfg`'s shape (random weights, sdpa attention): ViT, DINOv2 with registers, DINOv3,
+    CLIP's or SigLIP's vision tower, or None where none of them expresses it."""
     import transformers
 
-    act = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "quick_gelu": "quick_gelu"}[cfg.act]
+    act = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "quick_gelu": "quick_gelu", "swiglu": "silu"}[cfg.act]
     shape = dict(image_size=cfg.image_size, patch_size=cfg.patch_size, num_channels=cfg.in_chans,
                  hidden_size=cfg.embed_dim, num_hidden_layers=cfg.depth, num_attention_heads=cfg.num_heads,
                  layer_norm_eps=cfg.norm_eps, hidden_act=act, attn_implementation="sdpa")
+    if (cfg.rope.startswith("centered") and cfg.rope_half and not cfg.abs_pos_embed and cfg.class_token
+            and not cfg.dist_token and cfg.final_norm and not cfg.fc_norm and not cfg.mlp_norm
+            and cfg.norm == "layernorm" and not cfg.num_classes and not cfg.proj_dim):
+        # DINOv3 (pooler_output: the class token); the key projection has no bias
+        return transformers.DINOv3ViTModel(transformers.DINOv3ViTConfig(
+            **shape, intermediate_size=cfg.mlp_dim, num_register_tokens=cfg.reg_tokens,
+            use_gated_mlp=cfg.act == "swiglu", query_bias=cfg.qkv_bias, value_bias=cfg.qkv_bias,
+            proj_bias=cfg.proj_bias, mlp_bias=cfg.mlp_bias, rope_theta=cfg.rope_theta))
+    if cfg.rope != "none" or cfg.act == "swiglu" or not cfg.abs_pos_embed or cfg.mlp_norm or cfg.norm != "layernorm":
+        return None
     if (not cfg.class_token and not cfg.reg_tokens and cfg.pool == "map" and cfg.patch_bias and not cfg.pre_norm
             and cfg.final_norm and not cfg.fc_norm and cfg.qkv_bias and not cfg.num_classes and not cfg.proj_dim):
         return transformers.SiglipVisionModel(transformers.SiglipVisionConfig(**shape, intermediate_size=cfg.mlp_dim))

@@ -56,13 +56,17 @@ def forward_workloads(cfg: ViTConfig, batch: int, dtype: torch.dtype, device: to
                       rand(cfg.num_prefix_tokens, d) if cfg.num_prefix_tokens else None)
             return Workload(c, patch_embed, patch_embed_torch, inputs)
         if c.kind == "layer_norm":
-            inputs = (rand(c.dims["m"], d, scale=2.0, shift=0.5), rand(d, scale=0.5, shift=1.0), rand(d))
-            return Workload(c, lambda x, w, b: layer_norm(x, w, b, eps),
-                            lambda x, w, b: F.layer_norm(x, (d,), w, b, eps), inputs)
+            width, rms = c.dims["d"], c.dims["rms"]
+            inputs = (rand(c.dims["m"], width, scale=2.0, shift=0.5), rand(width, scale=0.5, shift=1.0),
+                      None if rms else rand(width))
+
+            def ln_torch(x, w, b):
+                return F.rms_norm(x, (width,), w, eps) if rms else F.layer_norm(x, (width,), w, b, eps)
+            return Workload(c, lambda x, w, b: layer_norm(x, w, b, eps, rms=rms), ln_torch, inputs)
         if c.kind == "linear":
             m, n, k, act = c.dims["m"], c.dims["n"], c.dims["k"], c.dims["act"]
             inputs = (rand(m, k), rand(n, k, scale=k ** -0.5), rand(n) if c.dims["bias"] else None,
-                      rand(m, n) if c.dims["residual"] else None)
+                      rand(m, n // 2 if act == "swiglu" else n) if c.dims["residual"] else None)
 
             def ref(x, w, b, r):
                 y = activation(F.linear(x, w, b), act)

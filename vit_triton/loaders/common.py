@@ -115,6 +115,25 @@ class Mapped:
                 self.tensors[f"{new_layer}.{name}"] = self.tensors.pop(key)
                 self.origin[f"{new_layer}.{name}"] = self.origin.pop(key)
 
+    def interleave(self, key: str, gate: str, value: str) -> None:
+        """tensors[key] = the rows of `gate` and `value` interleaved (gate row j at 2j, value row j at 2j + 1): a
+        gated MLP's two input projections as the one fc1 whose epilogue gates (act "swiglu")."""
+        if gate in self.tensors and value in self.tensors:
+            g, v = self.tensors.pop(gate), self.tensors.pop(value)
+            if g.shape != v.shape:
+                self.problems.append(f"wrong shape: {self.origin[value][0]} is {list(v.shape)}, expected "
+                                     f"{list(g.shape)} as {self.origin[gate][0]}")
+                return
+            self.tensors[key] = torch.stack([g, v], 1).reshape(-1, *g.shape[1:])
+            self.origin[key] = self.origin.pop(gate) + self.origin.pop(value)
+
+    def zeros_like(self, key: str, like: str) -> None:
+        """tensors[key] = zeros shaped as tensors[like], where the checkpoint has no key: a bias a checkpoint
+        leaves out of one of the parts it joins (EVA's and DINOv3's k of q, k, v)."""
+        if key not in self.tensors and like in self.tensors:
+            self.tensors[key] = torch.zeros_like(self.tensors[like])
+            self.origin[key] = []
+
     def split(self, key: str, parts: list[str], rows: int) -> None:
         """tensors[key] cut along dim 0 into parts of `rows` rows each (the last takes the rest): one matrix that
         our model holds as several layers (SigLIP's in_proj as the pool's q and kv)."""

@@ -1,10 +1,12 @@
-"""HuggingFace transformers vision encoders -> vit-triton: ViT, DeiT, DINOv2 (with registers), CLIP's vision
-tower (with its projection), SigLIP's (with its attention-pool head), ViT-MAE's encoder.
+"""HuggingFace transformers vision encoders -> vit-triton: ViT, DeiT, DINOv2 (with registers), DINOv3, CLIP's
+vision tower (with its projection), SigLIP's (with its attention-pool head), ViT-MAE's encoder.
 
 Keys come in the hub's spellings (transformers 4: encoder.layer.N.attention.attention.query,
 intermediate.dense, output.dense, ...; CLIP's encoder.layers.N.self_attn.q_proj, layer_norm1, ...) and in
 transformers 5's (layers.N.attention.q_proj, mlp.fc1, ...). All map here. q, k and v are concatenated into one
-QKV weight; DINOv2's LayerScale is folded into the layer before it; SigLIP's head (probe, attention.in_proj,
+QKV weight (a bias left out, as DINOv3's key bias, is zero); DINOv2's and DINOv3's LayerScale is folded into the
+layer before it; a gated MLP (DINOv3's gate_proj and up_proj, DINOv2 ViT-g's packed weights_in) becomes one fc1
+with gate and value rows interleaved; SigLIP's head (probe, attention.in_proj,
 out_proj, layernorm, mlp) becomes attn_pool (latent, q and kv, proj, norm, mlp). Not part of our forward:
 ViTModel's pooler (dense + tanh over the class token), mask tokens, the text tower of a CLIPModel or SiglipModel
 checkpoint and ViT-MAE's decoder. DeiT is ViT with a distillation token after the class token, and with a
@@ -25,7 +27,7 @@ _ACTIVATIONS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "g
 ARCHITECTURES = {
     "ViTModel": "vit", "ViTForImageClassification": "vit",
     "DeiTModel": "deit", "DeiTForImageClassification": "deit", "DeiTForImageClassificationWithTeacher": "deit",
-    "Dinov2Model": "dinov2", "Dinov2WithRegistersModel": "dinov2_with_registers",
+    "Dinov2Model": "dinov2", "Dinov2WithRegistersModel": "dinov2_with_registers", "DINOv3ViTModel": "dinov3_vit",
     "CLIPVisionModel": "clip_vision_model", "CLIPVisionModelWithProjection": "clip_vision_model",
     "CLIPModel": "clip",
     "SiglipVisionModel": "siglip_vision_model", "SiglipModel": "siglip",
@@ -38,7 +40,7 @@ _POS_RESAMPLES = {"dinov2": "bicubic_float32", "dinov2_with_registers": "bicubic
 # What each returns as the image embedding (ViT.embedding): CLIP's projected class token where it has one.
 _PROJECTED = ("CLIPVisionModelWithProjection", "CLIPModel")
 
-_LAYER = r"(?:encoder\.layers?|layers)\.(\d+)\."
+_LAYER = r"(?:encoder\.layers?|layers|(?:model\.)?layer)\.(\d+)\."
 _ATTENTION = r"(?:attention\.(?:attention\.)?|self_attn\.)"
 # ViTForImageClassification nests the model under "vit." (DeiT: "deit."), CLIP under "vision_model."
 _RULES = [(r"(?:vit\.|deit\.|dinov2\.|vision_model\.)?" + pattern, repl) for pattern, repl in [
@@ -46,7 +48,7 @@ _RULES = [(r"(?:vit\.|deit\.|dinov2\.|vision_model\.)?" + pattern, repl) for pat
     (r"embeddings\.distillation_token", "distillation_token"),
     (r"embeddings\.register_tokens", "reg_token"),
     (r"embeddings\.(?:position_embeddings|position_embedding\.weight)", "pos_embed"),
-    (r"embeddings\.(?:patch_embeddings\.projection|patch_embedding)\.(weight|bias)", r"patch_embed.\1"),
+    (r"embeddings\.(?:patch_embeddings\.projection|patch_embeddings?)\.(weight|bias)", r"patch_embed.\1"),
     (r"pre_layrnorm\.(weight|bias)", r"norm_pre.\1"),
     (_LAYER + _ATTENTION + r"(?:query|q_proj)\.(weight|bias)", r"blocks.\1.q.\2"),
     (_LAYER + _ATTENTION + r"(?:key|k_proj)\.(weight|bias)", r"blocks.\1.k.\2"),
@@ -55,10 +57,12 @@ _RULES = [(r"(?:vit\.|deit\.|dinov2\.|vision_model\.)?" + pattern, repl) for pat
      r"blocks.\1.proj.\2"),
     (_LAYER + r"(?:layernorm_before|norm1|layer_norm1)\.(weight|bias)", r"blocks.\1.norm1.\2"),
     (_LAYER + r"(?:layernorm_after|norm2|layer_norm2)\.(weight|bias)", r"blocks.\1.norm2.\2"),
-    (_LAYER + r"(?:intermediate\.dense|mlp\.fc1)\.(weight|bias)", r"blocks.\1.fc1.\2"),
-    (_LAYER + r"(?:output\.dense|mlp\.fc2)\.(weight|bias)", r"blocks.\1.fc2.\2"),
+    (_LAYER + r"(?:intermediate\.dense|mlp\.fc1|mlp\.weights_in)\.(weight|bias)", r"blocks.\1.fc1.\2"),
+    (_LAYER + r"(?:output\.dense|mlp\.fc2|mlp\.down_proj|mlp\.weights_out)\.(weight|bias)", r"blocks.\1.fc2.\2"),
+    (_LAYER + r"mlp\.gate_proj\.(weight|bias)", r"blocks.\1.gate.\2"),
+    (_LAYER + r"mlp\.up_proj\.(weight|bias)", r"blocks.\1.up.\2"),
     (_LAYER + r"layer_scale([12])\.lambda1", r"blocks.\1.ls\2"),
-    (r"(?:layernorm|post_layernorm)\.(weight|bias)", r"norm.\1"),
+    (r"(?:layernorm|post_layernorm|norm)\.(weight|bias)", r"norm.\1"),
     (r"head\.probe", "attn_pool.latent"),
     (r"head\.attention\.in_proj_(weight|bias)", r"attn_pool.in_proj.\1"),
     (r"head\.attention\.out_proj\.(weight|bias)", r"attn_pool.proj.\1"),
@@ -95,13 +99,17 @@ def hf_config_to_vit(config: dict, num_classes: int = 0, head_dist: bool = False
     if model_type not in families:
         raise ValueError(f"unsupported HuggingFace model_type {model_type!r}; supported: "
                          f"{', '.join(map(repr, families))}")
+    if model_type == "dinov3_vit":
+        return _dinov3_config(config)
     clip, dinov2, siglip = (model_type == "clip_vision_model", model_type.startswith("dinov2"),
                             model_type == "siglip_vision_model")
     act = config.get("hidden_act", "quick_gelu" if clip else "gelu")
     if act not in _ACTIVATIONS:
         raise ValueError(f"unsupported hidden_act {act!r}; supported: {', '.join(_ACTIVATIONS)}")
-    if config.get("use_swiglu_ffn"):
-        raise ValueError("unsupported use_swiglu_ffn=True (DINOv2's SwiGLU MLP, ViT-g/14)")
+    swiglu = dinov2 and config.get("use_swiglu_ffn", False)   # DINOv2 ViT-g/14: its width rounded as Dinov2SwiGLUFFN's
+    mlp_dim = int(config["hidden_size"] * config.get("mlp_ratio", 4)) if dinov2 else config["intermediate_size"]
+    if swiglu:
+        mlp_dim = (int(mlp_dim * 2 / 3) + 7) // 8 * 8
     if siglip and config.get("vision_use_head") is False:
         raise ValueError("unsupported vision_use_head=False (SigLIP without its attention-pool head: no pooled "
                          "output)")
@@ -111,10 +119,9 @@ def hf_config_to_vit(config: dict, num_classes: int = 0, head_dist: bool = False
         patch_size=square(config["patch_size"], "patch_size"),
         in_chans=config.get("num_channels", 3), embed_dim=d, depth=config["num_hidden_layers"],
         num_heads=config["num_attention_heads"],
-        mlp_dim=int(d * config.get("mlp_ratio", 4)) if dinov2 else config["intermediate_size"],
-        qkv_bias=config.get("qkv_bias", True),
+        mlp_dim=mlp_dim, qkv_bias=config.get("qkv_bias", True),
         norm_eps=config.get("layer_norm_eps", 1e-5 if clip else 1e-6 if dinov2 or siglip else 1e-12),
-        act=_ACTIVATIONS[act], class_token=not siglip, reg_tokens=config.get("num_register_tokens", 0),
+        act="swiglu" if swiglu else _ACTIVATIONS[act], class_token=not siglip, reg_tokens=config.get("num_register_tokens", 0),
         pos_embed_prefix=not config.get("num_register_tokens"),   # see hf_state_dict_to_vit
         patch_bias=not clip, pre_norm=clip, fc_norm=clip,   # CLIP normalizes only the pooled class token
         pool="map" if siglip else "token",
@@ -124,15 +131,44 @@ def hf_config_to_vit(config: dict, num_classes: int = 0, head_dist: bool = False
     )
 
 
+def _dinov3_config(config: dict) -> ViTConfig:
+    """DINOv3ViTModel: no absolute position embedding but rotary tables (transformers' own, half pairs), the class
+    token and registers unrotated, a bias-free key projection, LayerScale, and a gated MLP in the "plus" sizes;
+    pooler_output is the class token after the final norm."""
+    gated, act = config.get("use_gated_mlp", False), config.get("hidden_act", "gelu")
+    if gated and act != "silu":
+        raise ValueError(f"unsupported hidden_act {act!r} for DINOv3's gated MLP; supported: silu")
+    if not gated and act not in _ACTIVATIONS:
+        raise ValueError(f"unsupported hidden_act {act!r}; supported: {', '.join(_ACTIVATIONS)}")
+    return ViTConfig(
+        image_size=square(config.get("image_size", 224), "image_size"),
+        patch_size=square(config["patch_size"], "patch_size"), in_chans=config.get("num_channels", 3),
+        embed_dim=config["hidden_size"], depth=config["num_hidden_layers"], num_heads=config["num_attention_heads"],
+        mlp_dim=config["intermediate_size"],
+        qkv_bias=any(config.get(k, True) for k in ("query_bias", "key_bias", "value_bias")),
+        norm_eps=config.get("layer_norm_eps", 1e-5), act="swiglu" if gated else _ACTIVATIONS[act],
+        reg_tokens=config.get("num_register_tokens", 0), abs_pos_embed=False,
+        proj_bias=config.get("proj_bias", True), mlp_bias=config.get("mlp_bias", True),
+        rope="centered_inv_freq", rope_theta=config.get("rope_theta", 100.0), rope_half=True,
+    )
+
+
 def hf_num_classes(state_dict: dict[str, torch.Tensor]) -> int:
     """Rows of the classifier (ViTForImageClassification, DeiT's), 0 for a model without one."""
     head = state_dict.get("classifier.weight", state_dict.get("cls_classifier.weight"))
     return 0 if head is None else head.shape[0]
 
 
-def hf_state_dict_to_vit(state_dict: dict[str, torch.Tensor], cfg: ViTConfig) -> dict[str, torch.Tensor]:
+def biasless_projections(config: dict) -> str:
+    """Which of q, k, v a transformers config makes without bias while the others have one (DINOv3's key)."""
+    flags = {n: config.get(f"{name}_bias", True) for n, name in zip("qkv", ("query", "key", "value"))}
+    return "".join(n for n, f in flags.items() if not f) if any(flags.values()) else ""
+
+
+def hf_state_dict_to_vit(state_dict: dict[str, torch.Tensor], cfg: ViTConfig,
+                         zero_biases: str = "") -> dict[str, torch.Tensor]:
     """Our state dict from a transformers one (any key spelling above); raises listing every mismatch by the
-    checkpoint's own key names."""
+    checkpoint's own key names. zero_biases: which of q, k, v have no bias in the checkpoint (zeros join qkv's)."""
     mapped = Mapped(state_dict, _RULES, _UNUSED)
     d = cfg.embed_dim
     mapped.reshape("pos_embed", -1, d)
@@ -140,8 +176,17 @@ def hf_state_dict_to_vit(state_dict: dict[str, torch.Tensor], cfg: ViTConfig) ->
         mapped.add_first_row("cls_token", "pos_embed")
     mapped.concat("prefix_tokens", ["cls_token", "distillation_token", "reg_token"])
     for i in range(cfg.depth):
-        mapped.concat(f"blocks.{i}.qkv.weight", [f"blocks.{i}.{n}.weight" for n in "qkv"], shape=(d, d))
-        mapped.concat(f"blocks.{i}.qkv.bias", [f"blocks.{i}.{n}.bias" for n in "qkv"], shape=(d,))
+        b = f"blocks.{i}."
+        mapped.concat(b + "qkv.weight", [b + n + ".weight" for n in "qkv"], shape=(d, d))
+        for n in zero_biases:   # projections the config makes without bias
+            mapped.zeros_like(b + n + ".bias", b + next(m for m in "qkv" if m not in zero_biases) + ".bias")
+        mapped.concat(b + "qkv.bias", [b + n + ".bias" for n in "qkv"], shape=(d,))
+        if cfg.act == "swiglu":   # DINOv3's gate_proj and up_proj, or DINOv2's weights_in (gate, then value)
+            for name in ("weight", "bias"):
+                mapped.split(f"{b}fc1.{name}", [f"{b}gate.{name}", f"{b}up.{name}"], cfg.mlp_dim)
+                mapped.interleave(f"{b}fc1.{name}", f"{b}gate.{name}", f"{b}up.{name}")
+        else:
+            mapped.move(b + "up", b + "fc1")
     mapped.fold_layer_scale(cfg.depth)
     mapped.split("attn_pool.in_proj.weight", ["attn_pool.q.weight", "attn_pool.kv.weight"], d)
     mapped.split("attn_pool.in_proj.bias", ["attn_pool.q.bias", "attn_pool.kv.bias"], d)
@@ -159,7 +204,7 @@ def hf_architecture_to_vit(architecture: str, config: dict, state_dict: dict[str
                          f"{', '.join(HF_ARCHITECTURES)}")
     cfg = hf_config_to_vit(config, num_classes, head_dist=architecture.endswith("WithTeacher"),
                            projection=architecture in _PROJECTED)
-    return cfg, hf_state_dict_to_vit(state_dict, cfg)
+    return cfg, hf_state_dict_to_vit(state_dict, cfg, biasless_projections(vision_config(config)))
 
 
 def from_hf(module: torch.nn.Module) -> ViT:

@@ -5,7 +5,8 @@ needed nor imported, and no reference model is built. A transformers checkpoint 
 "model_type") maps through loaders/hf.py; a timm one (config.json with an "architecture") through
 loaders/timm.py, its ViTConfig read from the tensors' shapes, as timm's config.json records only the
 arguments that differ from the architecture's defaults; an OpenCLIP one (open_clip_config.json) through
-loaders/open_clip.py.
+loaders/open_clip.py. The exception: a timm Eva (EVA02, the RoPE ViTs, DINOv3), whose rotary settings neither its
+tensors nor its config.json show, is read from the architecture timm builds on the meta device (timm needed).
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from .common import build
 from .files import OPEN_CLIP_CONFIG, CheckpointNotFound, find_checkpoint, read_json, read_weights
 from .open_clip import open_clip_config_to_vit, open_clip_state_dict_to_vit
 from .hf import ARCHITECTURES, HF_ARCHITECTURES, hf_architecture_to_vit, hf_num_classes
-from .timm import timm_state_dict_to_vit
+from .timm import timm_config_to_vit, timm_state_dict_to_vit
 
 __all__ = ["CheckpointInfo", "CheckpointNotFound", "SUPPORTED", "from_pretrained", "read_checkpoint"]
 
-TIMM_ARCHITECTURES = "timm VisionTransformer and VisionTransformerDistilled (vit_*, deit_*, deit3_*)"
+TIMM_ARCHITECTURES = ("timm VisionTransformer and VisionTransformerDistilled (vit_*, deit_*, deit3_*), Eva (eva02_*, "
+                      "vit_*_rope_*, vit_*_dinov3)")
 SUPPORTED = f"transformers {', '.join(HF_ARCHITECTURES)}; {TIMM_ARCHITECTURES}; OpenCLIP ViT towers"
 
 
@@ -118,14 +120,37 @@ _TIMM_UNSUPPORTED = {
 }
 
 
+def _timm_eva(architecture: str, config: dict) -> ViTConfig | None:
+    """The config of a timm Eva architecture, built by timm on the meta device with the checkpoint's model_args;
+    None for an architecture that is not an Eva."""
+    try:
+        import timm
+    except ImportError:
+        if re.match(r"eva|vit_.*_(rope|dinov3)", architecture):
+            raise ImportError(f"{architecture} is a timm Eva, whose rotary settings come from timm's registry: "
+                              f"pip install timm") from None
+        return None
+    args = dict(config.get("model_args") or {})
+    size = (config.get("pretrained_cfg") or {}).get("input_size")
+    if size and "img_size" not in args:
+        args["img_size"] = tuple(size[-2:])
+    try:
+        with torch.device("meta"):
+            module = timm.create_model(architecture, pretrained=False, **args)
+    except (RuntimeError, TypeError):   # an architecture, or an argument, this timm does not know
+        return None
+    return timm_config_to_vit(module) if type(module).__name__ == "Eva" else None
+
+
 def _timm(source: str, config: dict, state_dict: dict):
     architecture = config["architecture"]
-    if not re.match(r"(vit|deit3?)_", architecture) or "patch_embed.proj.weight" not in state_dict:
+    cfg = _timm_eva(architecture, config)
+    if cfg is None and (not re.match(r"(vit|deit3?)_", architecture) or "patch_embed.proj.weight" not in state_dict):
         raise _unsupported(f"{architecture} (timm)")
     found = {what for pattern, what in _TIMM_UNSUPPORTED.items() for k in state_dict if re.fullmatch(pattern, k)}
-    if found:
+    if cfg is None and found:
         raise ValueError(f"unsupported timm VisionTransformer feature in {architecture}: {'; '.join(sorted(found))}")
-    cfg = _timm_config(architecture, config, state_dict)
+    cfg = cfg or _timm_config(architecture, config, state_dict)
     ours = timm_state_dict_to_vit(state_dict, cfg)
     return cfg, ours, CheckpointInfo(source, "timm", architecture, _timm_labels(source, config, cfg.num_classes),
                                      config.get("pretrained_cfg") or {})
@@ -152,7 +177,9 @@ def _timm_config(architecture: str, config: dict, sd: dict) -> ViTConfig:
         pos_embed_prefix = args.get("no_embed_class") is not True and round((pos - prefix) ** 0.5) ** 2 == pos - prefix
         size = round((pos - prefix * pos_embed_prefix) ** 0.5) * patch
     act = args.get("act_layer") or ("quick_gelu" if "quickgelu" in architecture else "gelu")
-    if act not in _TIMM_ACTIVATIONS:
+    # fc1 twice as tall as fc2 is wide: SwiGLUPacked (DINOv2 ViT-g/14), gate then value, SiLU
+    gated = depth and sd["blocks.0.mlp.fc1.weight"].shape[0] == 2 * sd["blocks.0.mlp.fc2.weight"].shape[1]
+    if not gated and act not in _TIMM_ACTIVATIONS:
         raise ValueError(f"unsupported timm act_layer {act!r}; supported: {', '.join(_TIMM_ACTIVATIONS)}")
     pool = config.get("global_pool", args.get("global_pool", "map" if "attn_pool.latent" in sd
                                               else "token" if class_token else "avg"))
@@ -162,10 +189,10 @@ def _timm_config(architecture: str, config: dict, sd: dict) -> ViTConfig:
     return ViTConfig(
         image_size=size, patch_size=patch, in_chans=in_chans, embed_dim=embed_dim, depth=depth,
         num_heads=args.get("num_heads") or _TIMM_HEADS.get(embed_dim, max(embed_dim // 64, 1)),
-        mlp_dim=sd["blocks.0.mlp.fc1.weight"].shape[0] if depth else 4 * embed_dim,
+        mlp_dim=sd["blocks.0.mlp.fc2.weight"].shape[1] if depth else 4 * embed_dim,
         qkv_bias="blocks.0.attn.qkv.bias" in sd,
         norm_eps=1e-5 if "_clip_" in architecture else 1e-6,  # CLIP towers use nn.LayerNorm's default
-        act=_TIMM_ACTIVATIONS[act], class_token=class_token, dist_token=dist_token, reg_tokens=reg_tokens,
+        act="swiglu" if gated else _TIMM_ACTIVATIONS[act], class_token=class_token, dist_token=dist_token, reg_tokens=reg_tokens,
         pos_embed_prefix=pos_embed_prefix, patch_bias="patch_embed.proj.bias" in sd,
         pre_norm="norm_pre.weight" in sd, final_norm="norm.weight" in sd or "fc_norm.weight" in sd,
         fc_norm="fc_norm.weight" in sd, pool=pool, num_classes=num_classes, head_dist="head_dist.weight" in sd,

@@ -1,9 +1,13 @@
-"""timm VisionTransformer (and DeiT's VisionTransformerDistilled) -> vit-triton.
+"""timm VisionTransformer (and DeiT's VisionTransformerDistilled) and Eva (EVA02, the RoPE ViTs, DINOv3) ->
+vit-triton.
 
 timm's names are ours but for the nesting (attn.qkv -> qkv, mlp.fc1 -> fc1, patch_embed.proj ->
 patch_embed), the prefix tokens (cls_token, dist_token and reg_token become the rows of prefix_tokens) and
-the leading batch dimension of pos_embed. LayerScale (ls1, ls2: DeiT III, DINOv2) is folded into the
-layer before it.
+the leading batch dimension of pos_embed. LayerScale (ls1, ls2: DeiT III, DINOv2; Eva's gamma_1, gamma_2) is
+folded into the layer before it. Eva's separate q, k, v projections (or q_bias and v_bias beside a bias-free qkv)
+join into one qkv with k's bias zero; a gated MLP's two halves (GluMlp's packed fc1, gate first, or SwiGLU's fc1_g
+and fc1_x) become one fc1 with its gate and value rows interleaved; the rotary embedding's settings become the
+config's rope fields, and RoPE-mixed's learned frequencies rope_freqs.
 """
 
 from __future__ import annotations
@@ -20,6 +24,13 @@ _RULES = [
     (r"blocks\.(\d+)\.attn\.(qkv|proj)\.(weight|bias)", r"blocks.\1.\2.\3"),
     (r"blocks\.(\d+)\.mlp\.(fc1|fc2)\.(weight|bias)", r"blocks.\1.\2.\3"),
     (r"blocks\.(\d+)\.(ls[12])\.gamma", r"blocks.\1.\2"),
+    (r"blocks\.(\d+)\.gamma_([12])", r"blocks.\1.ls\2"),
+    (r"blocks\.(\d+)\.attn\.([qv])_bias", r"blocks.\1.\2.bias"),
+    (r"blocks\.(\d+)\.attn\.([qkv])_proj\.(weight|bias)", r"blocks.\1.\2.\3"),
+    (r"blocks\.(\d+)\.mlp\.fc1_g\.(weight|bias)", r"blocks.\1.gate.\2"),
+    (r"blocks\.(\d+)\.mlp\.fc1_x\.(weight|bias)", r"blocks.\1.value.\2"),
+    (r"blocks\.(\d+)\.mlp\.norm\.(weight|bias)", r"blocks.\1.mlp_norm.\2"),
+    (r"rope\.freqs", "rope_freqs"),
     (r"(blocks\.\d+\.norm[12]|norm_pre|norm|fc_norm|head|head_dist)\.(weight|bias)", r"\1.\2"),
     (r"attn_pool\.(latent|(?:q|kv|proj|norm|mlp\.fc1|mlp\.fc2)\.(?:weight|bias))", r"attn_pool.\1"),
 ]
@@ -47,14 +58,21 @@ def _unusual_pool(pool: nn.Module | None) -> bool:
             or getattr(pool, "pool", "token") != "token")
 
 
+def _is_swiglu_packed(mlp: nn.Module) -> bool:
+    """timm's SwiGLUPacked (DINOv2 ViT-g/14): a GluMlp with SiLU whose packed fc1 holds the gate first."""
+    return type(mlp).__name__ == "GluMlp" and not mlp.gate_last and type(mlp.act).__name__ == "SiLU"
+
+
 def _is_layer_norm(m: nn.Module) -> bool:
     return isinstance(m, nn.LayerNorm)
 
 
 def timm_config_to_vit(module: nn.Module) -> ViTConfig:
-    """ViTConfig of a timm VisionTransformer; ValueError naming any feature we do not support."""
+    """ViTConfig of a timm VisionTransformer or Eva; ValueError naming any feature we do not support."""
+    if type(module).__name__ == "Eva":
+        return _eva_config(module)
     if type(module).__name__ not in ("VisionTransformer", "VisionTransformerDistilled"):
-        raise ValueError(f"from_timm takes a timm VisionTransformerDistilled or timm VisionTransformer, "
+        raise ValueError(f"from_timm takes a timm VisionTransformer, VisionTransformerDistilled or Eva, "
                          f"got {type(module).__name__}")
     distilled = type(module).__name__ == "VisionTransformerDistilled"
     block = module.blocks[0]
@@ -69,7 +87,8 @@ def timm_config_to_vit(module: nn.Module) -> ViTConfig:
         "attention or MLP scale norms": not isinstance(getattr(block.attn, "norm", nn.Identity()), nn.Identity)
         or not isinstance(getattr(block.mlp, "norm", nn.Identity()), nn.Identity),
         f"block type {type(block).__name__} (supported: Block)": type(block).__name__ != "Block",
-        f"MLP type {type(block.mlp).__name__} (supported: Mlp)": type(block.mlp).__name__ != "Mlp",
+        f"MLP type {type(block.mlp).__name__} (supported: Mlp, SwiGLUPacked)": not (
+            type(block.mlp).__name__ == "Mlp" or _is_swiglu_packed(block.mlp)),
         f"norm layer {', '.join(sorted(other_norms))} (supported: LayerNorm)": bool(other_norms),
         "proj_bias=False (projections without bias)": block.attn.proj.bias is None or block.mlp.fc2.bias is None,
         "no position embedding": module.pos_embed is None,
@@ -84,8 +103,8 @@ def timm_config_to_vit(module: nn.Module) -> ViTConfig:
     return ViTConfig(
         image_size=pe.img_size[0], patch_size=pe.patch_size[0], in_chans=pe.proj.in_channels,
         embed_dim=module.embed_dim, depth=len(module.blocks), num_heads=block.attn.num_heads,
-        mlp_dim=block.mlp.fc1.out_features, qkv_bias=block.attn.qkv.bias is not None, norm_eps=block.norm1.eps,
-        act=_activation(block.mlp.act), class_token=module.cls_token is not None,
+        mlp_dim=block.mlp.fc2.in_features, qkv_bias=block.attn.qkv.bias is not None, norm_eps=block.norm1.eps,
+        act="swiglu" if _is_swiglu_packed(block.mlp) else _activation(block.mlp.act), class_token=module.cls_token is not None,
         reg_tokens=module.num_reg_tokens, pos_embed_prefix=not module.no_embed_class,
         patch_bias=pe.proj.bias is not None, pre_norm=_is_layer_norm(module.norm_pre),
         final_norm=_is_layer_norm(module.norm) or _is_layer_norm(module.fc_norm),
@@ -95,18 +114,107 @@ def timm_config_to_vit(module: nn.Module) -> ViTConfig:
     )
 
 
+_ROPES = {"RotaryEmbeddingCat": "axial", "RotaryEmbeddingMixed": "mixed", "RotaryEmbeddingDinoV3": "centered"}
+
+
+def _eva_rope(module: nn.Module) -> dict:
+    """The config's rope fields from an Eva's rotary module; ValueError for settings we do not reproduce."""
+    rope = module.rope
+    if rope is None:
+        return {}
+    kind = _ROPES.get(type(rope).__name__)
+    unsupported = {
+        f"rope module {type(rope).__name__} (supported: {', '.join(_ROPES)})": kind is None,
+        "rope in_pixels or a grid_type other than 'index'": kind == "axial" and (
+            getattr(rope, "in_pixels", False) or getattr(rope, "grid_type", "index") != "index"),
+        "DINOv3 rope with min/max periods or coordinates normalized other than 'separate'": kind == "centered" and (
+            rope.min_period is not None or rope.max_period is not None or rope.normalize_coords != "separate"),
+    }
+    found = [what for what, present in unsupported.items() if present]
+    if found:
+        raise ValueError(f"unsupported timm Eva feature: {'; '.join(found)}")
+    ref = getattr(rope, "ref_feat_shape", None)
+    return dict(rope=kind, rope_theta=rope.temperature, rope_half=module.blocks[0].attn.rotate_half,
+                rope_xy=rope.grid_indexing == "xy", rope_offset=getattr(rope, "grid_offset", 0.0),
+                rope_ref_grid=tuple(ref) if ref is not None else None,
+                rope_cpu=not module.dynamic_img_size and kind != "mixed")
+
+
+def _eva_config(module: nn.Module) -> ViTConfig:
+    """ViTConfig of a timm Eva (EVA02, vit_*_rope_*, vit_*_dinov3); ValueError naming any feature we do not
+    support."""
+    block, pe = module.blocks[0], module.patch_embed
+    attn, mlp = block.attn, block.mlp
+    mlp_type = type(mlp).__name__
+    norms = {type(n).__name__ for n in (block.norm1, block.norm2, module.norm_pre, module.norm, module.fc_norm)
+             if not isinstance(n, (nn.LayerNorm, nn.Identity))}
+    qkv_bias = getattr(attn, "q_bias", None) is not None or (
+        getattr(attn, "qkv", None) is not None and attn.qkv.bias is not None) or (
+        getattr(attn, "q_proj", None) is not None and attn.q_proj.bias is not None)
+    unsupported = {
+        f"block type {type(block).__name__} (supported: EvaBlock)": type(block).__name__ != "EvaBlock",
+        f"MLP type {mlp_type} (supported: Mlp, GluMlp with its gate first, SwiGLU)": not (
+            mlp_type in ("Mlp", "SwiGLU") or mlp_type == "GluMlp" and not mlp.gate_last),
+        "grouped-query attention (num_kv_heads)": getattr(attn, "num_kv_heads", attn.num_heads) != attn.num_heads,
+        "qk_norm": not isinstance(getattr(attn, "q_norm", nn.Identity()), nn.Identity),
+        "an attention scale norm (scale_attn_inner)": not isinstance(getattr(attn, "norm", nn.Identity()),
+                                                                     nn.Identity),
+        "layer scale on attention only": (getattr(block, "gamma_1", None) is None) != (
+            getattr(block, "gamma_2", None) is None),
+        f"norm layer {', '.join(sorted(norms))} (supported: LayerNorm)": bool(norms),
+        f"global_pool {module.global_pool!r} (supported: token, avg)": module.global_pool not in ("token", "avg"),
+        "a norm layer in the patch embedding": not isinstance(getattr(pe, "norm", nn.Identity()), nn.Identity),
+        "a non-square img_size or patch_size (the checkpoint's own grid must be square; inputs of any size run)":
+        pe.img_size[0] != pe.img_size[1] or pe.patch_size[0] != pe.patch_size[1],
+    }
+    found = [what for what, present in unsupported.items() if present]
+    if found:
+        raise ValueError(f"unsupported timm Eva feature: {'; '.join(found)}")
+    gated = mlp_type != "Mlp"
+    act = "swiglu" if gated else _activation(mlp.act)
+    if gated and type(mlp.act).__name__ != "SiLU":
+        raise ValueError(f"unsupported timm Eva gated MLP activation {type(mlp.act).__name__} (supported: SiLU)")
+    mlp_dim = mlp.fc2.in_features
+    return ViTConfig(
+        image_size=pe.img_size[0], patch_size=pe.patch_size[0], in_chans=pe.proj.in_channels,
+        embed_dim=module.embed_dim, depth=len(module.blocks), num_heads=attn.num_heads, mlp_dim=mlp_dim,
+        qkv_bias=qkv_bias, norm_eps=block.norm1.eps, act=act, class_token=module.cls_token is not None,
+        reg_tokens=0 if module.reg_token is None else module.reg_token.shape[1],
+        pos_embed_prefix=not module.no_embed_class, patch_bias=pe.proj.bias is not None,
+        pre_norm=_is_layer_norm(module.norm_pre), final_norm=_is_layer_norm(module.norm) or _is_layer_norm(
+            module.fc_norm), fc_norm=_is_layer_norm(module.fc_norm), pool=module.global_pool,
+        num_classes=module.num_classes, pos_resample="bicubic_float32_antialias",
+        abs_pos_embed=module.pos_embed is not None, proj_bias=attn.proj.bias is not None,
+        mlp_bias=mlp.fc2.bias is not None, mlp_norm=not isinstance(getattr(mlp, "norm", nn.Identity()), nn.Identity),
+        **_eva_rope(module),
+    )
+
+
 def timm_state_dict_to_vit(state_dict: dict[str, torch.Tensor], cfg: ViTConfig) -> dict[str, torch.Tensor]:
-    """Our state dict from a timm VisionTransformer one; raises listing every mismatch by the checkpoint's
+    """Our state dict from a timm VisionTransformer or Eva one; raises listing every mismatch by the checkpoint's
     own key names."""
     mapped = Mapped(state_dict, _RULES)
     mapped.concat("prefix_tokens", ["cls_token", "dist_token", "reg_token"])
     mapped.reshape("pos_embed", -1, cfg.embed_dim)
+    d, t = cfg.embed_dim, mapped.tensors
+    for i in range(cfg.depth):
+        b = f"blocks.{i}."
+        if b + "q.weight" in t:   # Eva's separate q, k, v projections
+            mapped.concat(b + "qkv.weight", [b + n + ".weight" for n in "qkv"], shape=(d, d))
+        if b + "q.bias" in t:   # k has no bias
+            mapped.zeros_like(b + "k.bias", b + "q.bias")
+            mapped.concat(b + "qkv.bias", [b + n + ".bias" for n in "qkv"], shape=(d,))
+        if cfg.act == "swiglu":
+            for name in ("weight", "bias"):
+                # GluMlp packs gate then value into fc1; SwiGLU keeps them apart
+                mapped.split(f"{b}fc1.{name}", [f"{b}gate.{name}", f"{b}value.{name}"], cfg.mlp_dim)
+                mapped.interleave(f"{b}fc1.{name}", f"{b}gate.{name}", f"{b}value.{name}")
     mapped.fold_layer_scale(cfg.depth)
     mapped.reshape("attn_pool.latent", -1, cfg.embed_dim)
     return mapped.check(cfg, "timm VisionTransformer")
 
 
 def from_timm(module: nn.Module) -> ViT:
-    """vit-triton model with the weights, device and dtype of a timm VisionTransformer."""
+    """vit-triton model with the weights, device and dtype of a timm VisionTransformer or Eva."""
     cfg = timm_config_to_vit(module)
     return build(cfg, timm_state_dict_to_vit(module.state_dict(), cfg), next(module.parameters()))

@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 POOLS = ("token", "avg", "map")
-ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu")   # the MLP's, each one of the linear kernel's epilogues
+# The MLP's, each one of the linear kernel's epilogues; "swiglu" is gated: silu(x Wg^T) * (x Wv^T), fc1 twice as tall.
+ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu", "swiglu")
+NORMS = ("layernorm", "rmsnorm")
 # How the position table is resampled to another patch grid, as each library does it (model/pos_embed.py).
 POS_RESAMPLES = ("bicubic_float32_antialias", "bicubic_float32", "bicubic")
 # Rotary position embeddings, each as its library builds the tables (model/rope.py).
@@ -40,6 +42,10 @@ class ViTConfig:
     onto that one (EVA's ref_feat_shape). rope_cpu computes the tables on the CPU, then moves them, as timm's
     fixed-size models build theirs at creation; else on the device, as with timm's dynamic_img_size and in
     transformers (a GPU's sin and cos differ from the CPU's in last bits).
+    abs_pos_embed=False: no absolute position embedding (models with rotary embeddings only). norm: "layernorm" or
+    "rmsnorm" (no bias, no mean subtracted) for every norm of the model. proj_bias, mlp_bias: the attention output
+    projection's and the MLP's biases. act "swiglu": a gated MLP, fc2(silu(gate) * value), mlp_dim the gated width;
+    mlp_norm adds a norm over that width before fc2 (EVA02's scale_mlp sub-norm).
     """
 
     image_size: int = 224
@@ -72,6 +78,11 @@ class ViTConfig:
     rope_offset: float = 0.0
     rope_ref_grid: tuple[int, int] | None = None
     rope_cpu: bool = False
+    abs_pos_embed: bool = True
+    norm: str = "layernorm"
+    proj_bias: bool = True
+    mlp_bias: bool = True
+    mlp_norm: bool = False
 
     def __post_init__(self) -> None:
         if self.image_size < self.patch_size:
@@ -82,6 +93,8 @@ class ViTConfig:
             raise ValueError(f"head dim must be between 16 and 256, got {self.head_dim}")
         if self.act not in ACTIVATIONS:
             raise ValueError(f"act must be one of {ACTIVATIONS}, got {self.act!r}")
+        if self.norm not in NORMS:
+            raise ValueError(f"norm must be one of {NORMS}, got {self.norm!r}")
         if self.pool not in POOLS:
             raise ValueError(f"pool must be one of {POOLS}, got {self.pool!r}")
         if self.pos_resample not in POS_RESAMPLES:

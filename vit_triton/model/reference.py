@@ -8,9 +8,14 @@ import torch.nn.functional as F
 
 from .config import ViTConfig
 from .pos_embed import resample
+from .rope import rope_tables
 
 
 def activation(x: torch.Tensor, act: str) -> torch.Tensor:
+    """The MLP's activation on fc1's output; "swiglu" gates: silu(x[..., 0::2]) * x[..., 1::2] (fc1's rows
+    interleaved, gate then value)."""
+    if act == "swiglu":
+        return F.silu(x[..., 0::2]) * x[..., 1::2]
     if act == "gelu":
         return F.gelu(x)
     if act == "gelu_tanh":
@@ -20,49 +25,65 @@ def activation(x: torch.Tensor, act: str) -> torch.Tensor:
     return x
 
 
+def norm(x: torch.Tensor, p: dict[str, torch.Tensor], name: str, cfg: ViTConfig) -> torch.Tensor:
+    """The model's norm `name` (LayerNorm, bias optional, or RMSNorm) over x's last dimension."""
+    if cfg.norm == "rmsnorm":
+        return F.rms_norm(x, (x.shape[-1],), p[name + ".weight"], cfg.norm_eps)
+    return F.layer_norm(x, (x.shape[-1],), p[name + ".weight"], p.get(name + ".bias"), cfg.norm_eps)
+
+
 def reference_forward(cfg: ViTConfig, params: dict[str, torch.Tensor], pixels: torch.Tensor,
                       features_only: bool = False) -> torch.Tensor:
     """forward_features (features_only) or forward of a ViT with parameters `params` (state dict), for pixels of
     any size the model takes (its position embedding resampled as pos_embed.resample does)."""
     p = params
-    d, eps = cfg.embed_dim, cfg.norm_eps
+    d = cfg.embed_dim
     grid = (pixels.shape[2] // cfg.patch_size, pixels.shape[3] // cfg.patch_size)
-    pos = resample(p["pos_embed"], cfg.num_prefix_tokens if cfg.pos_embed_prefix else 0, cfg.grid, grid,
-                   cfg.pos_resample)
-    x = F.conv2d(pixels.to(p["pos_embed"].dtype), p["patch_embed.weight"], p.get("patch_embed.bias"),
+    x = F.conv2d(pixels.to(p["patch_embed.weight"].dtype), p["patch_embed.weight"], p.get("patch_embed.bias"),
                  stride=cfg.patch_size).flatten(2).transpose(1, 2)
     batch = x.shape[0]
-    if not cfg.pos_embed_prefix:
+    pos = None
+    if cfg.abs_pos_embed:
+        pos = resample(p["pos_embed"], cfg.num_prefix_tokens if cfg.pos_embed_prefix else 0, cfg.grid, grid,
+                       cfg.pos_resample)
+    if pos is not None and not cfg.pos_embed_prefix:
         x = x + pos
     if cfg.num_prefix_tokens:
         x = torch.cat([p["prefix_tokens"].expand(batch, -1, -1), x], dim=1)
-    if cfg.pos_embed_prefix:
+    if pos is not None and cfg.pos_embed_prefix:
         x = x + pos
     if cfg.pre_norm:
-        x = F.layer_norm(x, (d,), p["norm_pre.weight"], p["norm_pre.bias"], eps)
+        x = norm(x, p, "norm_pre", cfg)
+    if cfg.rope != "none":
+        cos, sin = rope_tables(cfg, grid, pixels.device, p.get("rope_freqs"))
     for i in range(cfg.depth):
         b = f"blocks.{i}."
-        h = F.layer_norm(x, (d,), p[b + "norm1.weight"], p[b + "norm1.bias"], eps)
+        h = norm(x, p, b + "norm1", cfg)
         qkv = F.linear(h, p[b + "qkv.weight"], p.get(b + "qkv.bias"))
-        q, k, v = qkv.view(batch, -1, 3, cfg.num_heads, cfg.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.view(batch, -1, 3, cfg.num_heads, cfg.head_dim).unbind(2)   # [B, T, H, Dh]
+        if cfg.rope != "none":
+            tables = (cos[i], sin[i]) if cfg.rope == "mixed" else (cos, sin)
+            q, k = (rope_reference(t, *tables, cfg.rope_half, cfg.num_prefix_tokens) for t in (q, k))
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(batch, -1, d)
-        x = x + F.linear(a, p[b + "proj.weight"], p[b + "proj.bias"])
-        h = F.layer_norm(x, (d,), p[b + "norm2.weight"], p[b + "norm2.bias"], eps)
-        h = activation(F.linear(h, p[b + "fc1.weight"], p[b + "fc1.bias"]), cfg.act)
-        x = x + F.linear(h, p[b + "fc2.weight"], p[b + "fc2.bias"])
+        x = x + F.linear(a, p[b + "proj.weight"], p.get(b + "proj.bias"))
+        h = activation(F.linear(norm(x, p, b + "norm2", cfg), p[b + "fc1.weight"], p.get(b + "fc1.bias")), cfg.act)
+        if cfg.mlp_norm:
+            h = norm(h, p, b + "mlp_norm", cfg)
+        x = x + F.linear(h, p[b + "fc2.weight"], p.get(b + "fc2.bias"))
     if "norm.weight" in p:
-        x = F.layer_norm(x, (d,), p["norm.weight"], p["norm.bias"], eps)
+        x = norm(x, p, "norm", cfg)
     if features_only:
         return x
     if cfg.head_dist:
         return (F.linear(x[:, 0], p["head.weight"], p["head.bias"])
                 + F.linear(x[:, 1], p["head_dist.weight"], p["head_dist.bias"])) / 2
     if cfg.pool == "map":
-        x = attention_pool_reference(p, "attn_pool.", x, cfg.num_heads, eps, cfg.act)
+        x = attention_pool_reference(p, "attn_pool.", x, cfg.num_heads, cfg.norm_eps, cfg.act)
     else:
         x = x[:, 0] if cfg.pool == "token" else x[:, cfg.num_prefix_tokens:].mean(1)
     if cfg.fc_norm:
-        x = F.layer_norm(x, (d,), p["fc_norm.weight"], p["fc_norm.bias"], eps)
+        x = norm(x, p, "fc_norm", cfg)
     if cfg.num_classes:
         x = F.linear(x, p["head.weight"], p["head.bias"])
     if cfg.proj_dim:

@@ -19,6 +19,13 @@ from .attention_pool import AttentionPool
 from .config import ViTConfig
 from .layers import LayerNorm, Linear
 from .pos_embed import ResampledTables
+from .rope import RopeTables
+
+
+def norm_layer(cfg: ViTConfig, dim: int, tf32_output: bool = False, **factory) -> LayerNorm:
+    """The model's norm over `dim` features: LayerNorm, or RMSNorm (cfg.norm "rmsnorm", no bias)."""
+    rms = cfg.norm == "rmsnorm"
+    return LayerNorm(dim, cfg.norm_eps, tf32_output=tf32_output, bias=not rms, rms=rms, **factory)
 
 
 class PatchEmbed(nn.Module):
@@ -34,27 +41,36 @@ class Block(nn.Module):
     """Pre-norm transformer block: x + attention(norm1(x)), then + mlp(norm2(x)), on the residual stream
     (ops.ResidualStream, which may leave a small GEMM's sum to the next norm). The norms, qkv, attention and fc1
     write what only the next matmul reads: with float32 matmuls on tf32 they store it rounded to tf32, so that
-    matmul's K loop does not round it. defer_fc2=False: fc2 updates the stream itself (no norm reads it next)."""
+    matmul's K loop does not round it. defer_fc2=False: fc2 updates the stream itself (no norm reads it next).
+    A gated MLP (act "swiglu") gates in fc1's epilogue; mlp_norm normalises its output before fc2. Rotary
+    embeddings (rope: cos, sin tables) rotate q and k of the patch tokens inside the attention kernel."""
 
     def __init__(self, cfg: ViTConfig, **factory) -> None:
         super().__init__()
         d = cfg.embed_dim
         self.num_heads = cfg.num_heads
-        self.norm1 = LayerNorm(d, cfg.norm_eps, tf32_output=True, **factory)
+        self.rope_half, self.rope_prefix = cfg.rope_half, cfg.num_prefix_tokens
+        self.norm1 = norm_layer(cfg, d, tf32_output=True, **factory)
         self.qkv = Linear(d, 3 * d, bias=cfg.qkv_bias, tf32_input=True, tf32_output=True, **factory)
-        self.proj = Linear(d, d, tf32_input=True, **factory)
-        self.norm2 = LayerNorm(d, cfg.norm_eps, tf32_output=True, **factory)
-        self.fc1 = Linear(d, cfg.mlp_dim, activation=cfg.act, tf32_input=True, tf32_output=True, **factory)
-        self.fc2 = Linear(cfg.mlp_dim, d, tf32_input=True, **factory)
+        self.proj = Linear(d, d, bias=cfg.proj_bias, tf32_input=True, **factory)
+        self.norm2 = norm_layer(cfg, d, tf32_output=True, **factory)
+        self.fc1 = Linear(d, cfg.mlp_dim, bias=cfg.mlp_bias, activation=cfg.act, tf32_input=True, tf32_output=True,
+                          **factory)
+        self.mlp_norm = norm_layer(cfg, cfg.mlp_dim, tf32_output=True, **factory) if cfg.mlp_norm else None
+        self.fc2 = Linear(cfg.mlp_dim, d, bias=cfg.mlp_bias, tf32_input=True, **factory)
         self.defer_fc2 = True
 
-    def forward(self, x: ResidualStream) -> ResidualStream:
+    def forward(self, x: ResidualStream, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> ResidualStream:
         batch, tokens, d = x.shape
         # The QKV GEMM's [B*T, 3D] output is read in place as q, k, v [B, T, H, Dh] views.
         qkv = self.qkv(x.norm(self.norm1)).view(batch, tokens, 3, self.num_heads, d // self.num_heads)
-        attn = fused_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], tf32_input=True, tf32_output=True)
+        attn = fused_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], tf32_input=True, tf32_output=True,
+                               rope=rope, rope_half=self.rope_half, rope_prefix=self.rope_prefix)
         x = x.add(self.proj, attn.view(batch * tokens, d))
-        return x.add(self.fc2, self.fc1(x.norm(self.norm2)), defer=self.defer_fc2)
+        h = self.fc1(x.norm(self.norm2))
+        if self.mlp_norm is not None:
+            h = self.mlp_norm(h)
+        return x.add(self.fc2, h, defer=self.defer_fc2)
 
 
 class ViT(nn.Module):
@@ -68,17 +84,22 @@ class ViT(nn.Module):
         d = cfg.embed_dim
         self.patch_embed = PatchEmbed(cfg, **factory)
         pos_len = cfg.num_tokens if cfg.pos_embed_prefix else cfg.num_patches
-        self.pos_embed = nn.Parameter(torch.empty(pos_len, d, **factory))
-        nn.init.trunc_normal_(self.pos_embed, std=0.02)
+        self.pos_embed = nn.Parameter(torch.empty(pos_len, d, **factory)) if cfg.abs_pos_embed else None
+        if self.pos_embed is not None:
+            nn.init.trunc_normal_(self.pos_embed, std=0.02)
         self.pos_tables = ResampledTables(cfg.num_prefix_tokens if cfg.pos_embed_prefix else 0, cfg.grid,
                                           cfg.pos_resample)
         self.prefix_tokens = (
             nn.Parameter(torch.zeros(cfg.num_prefix_tokens, d, **factory)) if cfg.num_prefix_tokens else None
         )
-        self.norm_pre = LayerNorm(d, cfg.norm_eps, **factory) if cfg.pre_norm else None
+        self.rope_tables = RopeTables(cfg) if cfg.rope != "none" else None
+        # RoPE-mixed's learned frequencies, from which its tables are computed (timm's rope.freqs)
+        self.rope_freqs = (nn.Parameter(torch.zeros(self.rope_tables.freqs_shape, **factory))
+                           if cfg.rope == "mixed" else None)
+        self.norm_pre = norm_layer(cfg, d, **factory) if cfg.pre_norm else None
         self.blocks = nn.ModuleList(Block(cfg, **factory) for _ in range(cfg.depth))
-        self.norm = LayerNorm(d, cfg.norm_eps, **factory) if cfg.final_norm and not cfg.fc_norm else None
-        self.fc_norm = LayerNorm(d, cfg.norm_eps, **factory) if cfg.fc_norm else None
+        self.norm = norm_layer(cfg, d, **factory) if cfg.final_norm and not cfg.fc_norm else None
+        self.fc_norm = norm_layer(cfg, d, **factory) if cfg.fc_norm else None
         self.attn_pool = (AttentionPool(d, cfg.num_heads, cfg.mlp_dim, cfg.act, cfg.norm_eps, qkv_bias=cfg.qkv_bias,
                                         **factory) if cfg.pool == "map" else None)
         self.head = Linear(d, cfg.num_classes, **factory) if cfg.num_classes else None
@@ -96,9 +117,13 @@ class ViT(nn.Module):
         return height // p, width // p
 
     def refresh_pos_embed(self) -> None:
-        """Resamples again, in place, the kept position tables of other grids that pos_embed changed since: a
-        CUDA graph reads them where they were (CUDAGraphRunner calls this before each replay)."""
-        self.pos_tables.refresh(self.pos_embed)
+        """Resamples again, in place, the kept position tables of other grids that pos_embed changed since (and
+        the rotary tables that rope_freqs changed): a CUDA graph reads them where they were (CUDAGraphRunner calls
+        this before each replay)."""
+        if self.pos_embed is not None:
+            self.pos_tables.refresh(self.pos_embed)
+        if self.rope_tables is not None:
+            self.rope_tables.refresh(self.rope_freqs)
 
     def _check_pixels(self, pixels: torch.Tensor) -> tuple[int, int]:
         """The patch grid of `pixels`, after checking them."""
@@ -109,11 +134,12 @@ class ViT(nn.Module):
         if pixels.shape[1] != cfg.in_chans:
             raise ValueError(f"pixels must have {cfg.in_chans} channels {expected}, got shape {tuple(pixels.shape)}")
         grid = self.grid(pixels.shape[2], pixels.shape[3])
-        dtype = self.pos_embed.dtype
+        dtype = self.patch_embed.weight.dtype
         if pixels.dtype not in (torch.float32, dtype):
             raise ValueError(f"pixels must be float32 or {dtype} (the model's dtype), got {pixels.dtype}")
-        if pixels.device != self.pos_embed.device:
-            raise ValueError(f"pixels must be on the model's device {self.pos_embed.device}, got {pixels.device}")
+        device = self.patch_embed.weight.device
+        if pixels.device != device:
+            raise ValueError(f"pixels must be on the model's device {device}, got {pixels.device}")
         return grid
 
     def forward_features(self, pixels: torch.Tensor) -> torch.Tensor:
@@ -122,16 +148,22 @@ class ViT(nn.Module):
         grid = self._check_pixels(pixels)
         cfg = self.config
         if pixels.shape[0] == 0:   # no image: no kernel has a program to run
-            return self.pos_embed.new_empty(0, cfg.num_prefix_tokens + grid[0] * grid[1], cfg.embed_dim)
+            return self.patch_embed.weight.new_empty(0, cfg.num_prefix_tokens + grid[0] * grid[1], cfg.embed_dim)
         pe = self.patch_embed
-        tokens = patch_embed(pixels, pe.weight, pe.bias, self.pos_tables(self.pos_embed, grid), self.prefix_tokens)
+        pos = None if self.pos_embed is None else self.pos_tables(self.pos_embed, grid)
+        tokens = patch_embed(pixels, pe.weight, pe.bias, pos, self.prefix_tokens)
         batch, num_tokens, d = tokens.shape
         x = tokens.view(batch * num_tokens, d)
         if self.norm_pre is not None:
             x = self.norm_pre(x)
         x = ResidualStream(x, batch)
-        for block in self.blocks:
-            x = block(x)
+        ropes = [None] * cfg.depth
+        if self.rope_tables is not None:
+            cos, sin = self.rope_tables(grid, pixels.device, self.rope_freqs)
+            # RoPE-mixed: a [H, T, Dh] table per block, the others one [T, Dh] table for all
+            ropes = list(zip(cos, sin)) if self.rope_freqs is not None else [(cos, sin)] * cfg.depth
+        for block, rope in zip(self.blocks, ropes):
+            x = block(x, rope)
         x = x.norm(self.norm) if self.norm is not None else x.tensor()
         return x.view(batch, num_tokens, d)
 

@@ -21,7 +21,7 @@ def classify(model, paths: list[str], *, top_k: int = 5, batch_size: int = 8,
         raise ValueError("the model has no classification head")
     pre = preprocess or Preprocess.for_model(model, image_size)
     id2label = getattr(getattr(model, "checkpoint", None), "id2label", {})
-    device = model.pos_embed.device
+    device = model.patch_embed.weight.device
     dataset = ImageFiles(paths, pre)
     k = min(top_k, model.config.num_classes)
     with torch.inference_mode():

@@ -115,7 +115,7 @@ def embed_images(model, images: list, *, batch_size: int = 32, normalize: bool =
     with torch.inference_mode():
         for start in range(0, len(images), batch_size):
             pixels = torch.stack([pre.resize_crop(_decoded(x, mode)) for x in images[start:start + batch_size]])
-            rows.append(outputs(pixels.to(model.pos_embed.device))[0].cpu())
+            rows.append(outputs(pixels.to(model.patch_embed.weight.device))[0].cpu())
     return torch.cat(rows)
 
 

@@ -107,5 +107,5 @@ def compile(model: ViT, batch_sizes: Iterable[int] = (), dtype: torch.dtype | No
     runner = CUDAGraphRunner(model)
     cfg = model.config
     for batch in batch_sizes:
-        runner.capture((batch, cfg.in_chans, cfg.image_size, cfg.image_size), dtype or model.pos_embed.dtype)
+        runner.capture((batch, cfg.in_chans, cfg.image_size, cfg.image_size), dtype or model.patch_embed.weight.dtype)
     return runner
