@@ -88,12 +88,13 @@ def linear_case(name: str, dtype: str, config: Config, pdl: int = PDL_LATE, spli
     if not tma:
         return name, _linear_plain_kernel, dtype, options, constexprs, None
     descriptors = dict(x_desc=(bm, bk), w_desc=(bn, bk))
+    out_bn = bn // 2 if flags["ACT"] == "swiglu" else bn   # swiglu's y tile is half the product's
     if flags["HAS_RESIDUAL"]:   # y through pointers
-        descriptors["r_desc"] = (bm, bn)
+        descriptors["r_desc"] = (bm, out_bn)
     else:
         constexprs["r_desc"] = None
         if split_k == 1:
-            descriptors["y"] = (bm, bn)
+            descriptors["y"] = (bm, out_bn)
     return name, _linear_tma_kernel, dtype, options, dict(constexprs, PREFETCH=True), descriptors
 
 
@@ -107,6 +108,10 @@ def cases():
             for tma in (False, True):
                 yield linear_case("linear-tma" if tma else "linear", dtype, config, HAS_BIAS=bias, ACT=act,
                                   HAS_RESIDUAL=res, HAS_SCALE=not bias, INPUT_PRECISION="ieee", tma=tma)
+        # A gated MLP's fc1 (swiglu: the tile halved in the epilogue), and with every other epilogue step.
+        for tma, rest in itertools.product((False, True), (False, True)):
+            yield linear_case(f"linear{'-tma' * tma}-swiglu", dtype, config, HAS_BIAS=True, ACT="swiglu",
+                              HAS_RESIDUAL=rest, HAS_SCALE=rest, INPUT_PRECISION="ieee", tma=tma)
         if dtype == "bf16":   # the residual GEMMs' wide tile at large batch
             yield linear_case("linear-tma-wide-residual", dtype, WIDE_RESIDUAL, HAS_BIAS=True, ACT="none",
                               HAS_RESIDUAL=True, HAS_SCALE=False, INPUT_PRECISION="ieee", tma=True)
@@ -128,7 +133,10 @@ def cases():
             INPUT_PRECISION="ieee", W_TF32=False), None)
         for parts in (0, 2) if dtype == "bf16" else (0,):   # 2: add_layer_norm after a GEMM split in two
             yield (f"layer_norm{'-add' * (parts > 0)}", _layer_norm_kernel, dtype, {"num_warps": 4},
-                   dict(NUM_PARTS=parts, BLOCK_M=2, BLOCK_D=1024), None)
+                   dict(HAS_BIAS=True, RMS=False, NUM_PARTS=parts, BLOCK_M=2, BLOCK_D=1024), None)
+        if dtype == "bf16":   # RMSNorm without bias
+            yield ("layer_norm-rms", _layer_norm_kernel, dtype, {"num_warps": 4},
+                   dict(b_ptr=None, HAS_BIAS=False, RMS=True, NUM_PARTS=0, BLOCK_M=2, BLOCK_D=1024), None)
         yield ("token_mean", _token_mean_kernel, dtype, {"num_warps": 4}, dict(BLOCK_T=16, BLOCK_D=256), None)
     # tf32: operands rounded in the kernel, or beforehand (the weight by round_to_tf32, x by the kernel
     # that wrote it, the output for the kernel that reads it).
@@ -136,6 +144,10 @@ def cases():
         yield linear_case("linear-tma" if tma else "linear", "tf32", FLOAT32[0], HAS_BIAS=True, ACT="gelu",
                           HAS_RESIDUAL=True, HAS_SCALE=False, INPUT_PRECISION="tf32", X_TF32=pre, W_TF32=pre,
                           Y_TF32=pre, tma=tma)
+    for tma in (False, True):   # a gated fc1 whose output the next GEMM reads
+        yield linear_case(f"linear{'-tma' * tma}-swiglu", "tf32", FLOAT32[0], HAS_BIAS=True, ACT="swiglu",
+                          HAS_RESIDUAL=False, HAS_SCALE=False, INPUT_PRECISION="tf32", X_TF32=True, W_TF32=True,
+                          Y_TF32=True, tma=tma)
     yield ("patch_embed", _patch_embed_kernel, "tf32", {}, dict(
         PATCH=16, HAS_BIAS=True, HAS_PREFIX=True, HAS_POS=True, POS_HAS_PREFIX=True, INPUT_PRECISION="tf32",
         W_TF32=True), None)
@@ -143,7 +155,8 @@ def cases():
     for pre in (False, True):
         yield ("fused_attention", _attention_kernel, "tf32", {}, dict(HEAD_DIM=64, BLOCK_D=64, INPUT_PRECISION="tf32",
                                                                       QKV_TF32=pre, O_TF32=pre, **streaming), None)
-    yield ("layer_norm", _layer_norm_kernel, "tf32", {"num_warps": 4}, dict(NUM_PARTS=2, BLOCK_M=2, BLOCK_D=1024), None)
+    yield ("layer_norm", _layer_norm_kernel, "tf32", {"num_warps": 4}, dict(HAS_BIAS=True, RMS=False, NUM_PARTS=2,
+                                                                            BLOCK_M=2, BLOCK_D=1024), None)
 
 
 def main() -> None:

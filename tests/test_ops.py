@@ -10,6 +10,7 @@ from tests.kernels.checks import tf32_matmuls
 from tests.numerics import DEVICE, randomize_
 from vit_triton import ops
 from vit_triton.model import ViT, ViTConfig
+from vit_triton.model.layers import Linear
 
 DT = torch.bfloat16
 
@@ -37,14 +38,18 @@ CASES = {
                                                False, False)),
     "linear-tf32": (ops._linear, lambda: (_r(37, 48, dtype=F32), _r(40, 48, dtype=F32), _r(40, dtype=F32), "gelu",
                                           None, 1.0, True, True)),
+    "linear-swiglu": (ops._linear, lambda: (_r(37, 48), _r(80, 48), _r(80), "swiglu", _r(37, 40), 0.5, False, False)),
     "linear_partials": (ops._linear_partials, lambda: (_r(37, 48), _r(40, 48), _r(40), 3, False)),
     "linear_partials-tf32": (ops._linear_partials, lambda: (_r(37, 48, dtype=F32), _r(40, 48, dtype=F32), None, 2,
                                                             True)),
     "layer_norm": (ops._layer_norm, lambda: (_r(21, 40), _r(40), _r(40), 1e-6, False)),
     "layer_norm-tf32": (ops._layer_norm, lambda: (_r(21, 40, dtype=F32), _r(40, dtype=F32), _r(40, dtype=F32), 1e-6,
                                                   True)),
+    "layer_norm-rms-no-bias": (ops._layer_norm, lambda: (_r(21, 40), _r(40), None, 1e-6, False, True)),
     "add_layer_norm": (ops._add_layer_norm, lambda: (_r(21, 40), _r(2, 21, 40, dtype=F32), _r(40), _r(40), 1e-6,
                                                      False)),
+    "add_layer_norm-rms-no-bias": (ops._add_layer_norm, lambda: (_r(21, 40), _r(2, 21, 40, dtype=F32), _r(40), None,
+                                                                 1e-6, False, True)),
     "fused_attention": (ops._fused_attention, lambda: (*_qkv(2, 19, 3, 16), None, False, False)),
     "fused_attention-scale": (ops._fused_attention, lambda: (*_qkv(1, 5, 2, 32), 0.3, False, False)),
     "fused_attention-pool": (ops._fused_attention, lambda: (_r(1, 1, 3, 16).expand(2, -1, -1, -1),   # Tq = 1, Tk = 19
@@ -75,6 +80,19 @@ def test_eager_calls_skip_the_dispatcher_and_agree_with_it():
     direct = ops.linear(x, w, b, activation="gelu")
     torch.testing.assert_close(direct, torch.ops.vit_triton.linear(x, w, b, "gelu", None, 1.0, False, False), rtol=0,
                                atol=0)
+
+
+def test_a_layer_with_an_activation_is_never_split(monkeypatch):
+    # Split K leaves the product's sum to the next norm; an activation must see the whole sum first.
+    monkeypatch.setattr(ops, "split_k", lambda *shape: 2)
+    x, h = _r(5, 32, dtype=F32), _r(5, 48, dtype=F32)
+    for act in ("gelu", "swiglu"):
+        fc = randomize_(Linear(48, 32, activation=act, device=DEVICE))
+        with torch.no_grad():
+            assert torch.equal(ops.ResidualStream(x, batch=1).add(fc, h).tensor(), fc(h, residual=x))
+    proj = randomize_(Linear(48, 32, device=DEVICE))
+    with torch.no_grad(), pytest.raises(RuntimeError, match="pending split-K update"):
+        ops.ResidualStream(x, batch=1).add(proj, h).tensor()   # without one, it is split
 
 
 def test_torch_compile_traces_rope_attention():

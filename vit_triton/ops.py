@@ -35,16 +35,18 @@ def _linear(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str, res
 
 @_linear.register_fake
 def _(x, weight, bias, activation, residual, scale, tf32_input, tf32_output):
-    return x.new_empty((x.shape[0], weight.shape[0]))
+    # swiglu: weight holds a gate's and a value's rows, two for each column of y
+    return x.new_empty((x.shape[0], weight.shape[0] // 2 if activation == "swiglu" else weight.shape[0]))
 
 
 @torch.library.custom_op("vit_triton::layer_norm", mutates_args=())
-def _layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float, tf32_output: bool) -> Tensor:
-    return kernels.layer_norm(x, weight, bias, eps, tf32_output=tf32_output)
+def _layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float, tf32_output: bool,
+                rms: bool = False) -> Tensor:
+    return kernels.layer_norm(x, weight, bias, eps, rms=rms, tf32_output=tf32_output)
 
 
 @_layer_norm.register_fake
-def _(x, weight, bias, eps, tf32_output):
+def _(x, weight, bias, eps, tf32_output, rms=False):
     return x.new_empty(x.shape)
 
 
@@ -59,13 +61,13 @@ def _(x, weight, bias, splits, tf32_input):
 
 
 @torch.library.custom_op("vit_triton::add_layer_norm", mutates_args=())
-def _add_layer_norm(x: Tensor, parts: Tensor, weight: Tensor, bias: Tensor, eps: float,
-                    tf32_output: bool) -> tuple[Tensor, Tensor]:
-    return kernels.add_layer_norm(x, parts, weight, bias, eps, tf32_output=tf32_output)
+def _add_layer_norm(x: Tensor, parts: Tensor, weight: Tensor, bias: Tensor | None, eps: float,
+                    tf32_output: bool, rms: bool = False) -> tuple[Tensor, Tensor]:
+    return kernels.add_layer_norm(x, parts, weight, bias, eps, rms=rms, tf32_output=tf32_output)
 
 
 @_add_layer_norm.register_fake
-def _(x, parts, weight, bias, eps, tf32_output):
+def _(x, parts, weight, bias, eps, tf32_output, rms=False):
     return x.new_empty(x.shape), x.new_empty(x.shape)
 
 
@@ -111,18 +113,20 @@ def _(x, start):
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, activation: str = "none",
            residual: Tensor | None = None, scale: float = 1.0, tf32_input: bool = False,
            tf32_output: bool = False) -> Tensor:
-    """kernels.linear: scale * (activation(x @ weight.T + bias) + residual)."""
+    """kernels.linear: scale * (activation(x @ weight.T + bias) + residual); with "swiglu", weight [2N, K] holds
+    the gate's and the value's rows interleaved and y is [M, N]."""
     if torch.compiler.is_compiling():
         return _linear(x, weight, bias, activation, residual, scale, tf32_input, tf32_output)
     return kernels.linear(x, weight, bias, activation=activation, residual=residual, scale=scale,
                           tf32_input=tf32_input, tf32_output=tf32_output)
 
 
-def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float, *, tf32_output: bool = False) -> Tensor:
-    """kernels.layer_norm: LayerNorm of each row of x [M, D]."""
+def layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float, *, rms: bool = False,
+               tf32_output: bool = False) -> Tensor:
+    """kernels.layer_norm: LayerNorm (RMSNorm with rms) of each row of x [M, D]."""
     if torch.compiler.is_compiling():
-        return _layer_norm(x, weight, bias, eps, tf32_output)
-    return kernels.layer_norm(x, weight, bias, eps, tf32_output=tf32_output)
+        return _layer_norm(x, weight, bias, eps, tf32_output, rms)
+    return kernels.layer_norm(x, weight, bias, eps, rms=rms, tf32_output=tf32_output)
 
 
 def linear_partials(x: Tensor, weight: Tensor, bias: Tensor | None, splits: int, *, tf32_input: bool = False) -> Tensor:
@@ -132,12 +136,12 @@ def linear_partials(x: Tensor, weight: Tensor, bias: Tensor | None, splits: int,
     return kernels.linear_partials(x, weight, bias, splits, tf32_input=tf32_input)
 
 
-def add_layer_norm(x: Tensor, parts: Tensor, weight: Tensor, bias: Tensor, eps: float, *,
+def add_layer_norm(x: Tensor, parts: Tensor, weight: Tensor, bias: Tensor | None, eps: float, *, rms: bool = False,
                    tf32_output: bool = False) -> tuple[Tensor, Tensor]:
-    """kernels.add_layer_norm: (s, LayerNorm(s)) for s = x + parts.sum(0)."""
+    """kernels.add_layer_norm: (s, LayerNorm(s)) for s = x + parts.sum(0) (RMSNorm(s) with rms)."""
     if torch.compiler.is_compiling():
-        return _add_layer_norm(x, parts, weight, bias, eps, tf32_output)
-    return kernels.add_layer_norm(x, parts, weight, bias, eps, tf32_output=tf32_output)
+        return _add_layer_norm(x, parts, weight, bias, eps, tf32_output, rms)
+    return kernels.add_layer_norm(x, parts, weight, bias, eps, rms=rms, tf32_output=tf32_output)
 
 
 def fused_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None, tf32_input: bool = False,
@@ -171,9 +175,9 @@ class ResidualStream:
     """A transformer's residual stream, the [M, D] token matrix, with the update its last GEMM may have left
     pending.
 
-    add(layer, h) is stream + layer(h) for a linear layer (anything with weight, bias and tf32_input): done in the
-    GEMM's epilogue, or, for a product too small to fill the GPU (kernels.split_k: ViT-B/16's fc2 and proj at
-    one or two images), left as K-slice partial sums that the next norm(layer) adds to the stream while it
+    add(layer, h) is stream + layer(h) for a linear layer (anything with weight, bias, activation and tf32_input):
+    done in the GEMM's epilogue, or, for a product too small to fill the GPU (kernels.split_k: ViT-B/16's fc2 and
+    proj at one or two images), left as K-slice partial sums that the next norm(layer) adds to the stream while it
     normalizes it, in one kernel (add_layer_norm). Nothing outside this class sees the partial sums."""
 
     def __init__(self, x: Tensor, batch: int) -> None:
@@ -186,9 +190,11 @@ class ResidualStream:
         return self.batch, self._x.shape[0] // self.batch, self._x.shape[1]
 
     def add(self, layer, h: Tensor, *, defer: bool = True) -> ResidualStream:
-        """The stream plus layer(h); defer=False when no norm will read the stream next."""
+        """The stream plus layer(h); defer=False when no norm will read the stream next. A layer with an
+        activation is never split: the activation must see the whole sum."""
         x = self.tensor()
-        splits = split_k(h.shape[0], layer.weight.shape[0], h.shape[1], h.device) if defer else 1
+        split = defer and layer.activation == "none"
+        splits = split_k(h.shape[0], layer.weight.shape[0], h.shape[1], h.device) if split else 1
         if splits == 1:
             return ResidualStream(layer(h, residual=x), self.batch)
         out = ResidualStream(x, self.batch)
@@ -196,11 +202,11 @@ class ResidualStream:
         return out
 
     def norm(self, layer) -> Tensor:
-        """layer's LayerNorm (anything with weight, bias, eps and tf32_output) of the stream, after adding a
+        """layer's LayerNorm (anything with weight, bias, eps, rms and tf32_output) of the stream, after adding a
         pending update to the stream."""
         if self._parts is None:
             return layer(self._x)
-        self._x, y = add_layer_norm(self._x, self._parts, layer.weight, layer.bias, layer.eps,
+        self._x, y = add_layer_norm(self._x, self._parts, layer.weight, layer.bias, layer.eps, rms=layer.rms,
                                     tf32_output=layer.tf32_output)
         self._parts = None
         return y

@@ -1,4 +1,5 @@
-"""layer_norm and add_layer_norm (a split GEMM's partial sums added first) against F.layer_norm."""
+"""layer_norm and add_layer_norm (a split GEMM's partial sums added first) against F.layer_norm, and as RMSNorm
+against F.rms_norm, each with and without bias."""
 
 import itertools
 
@@ -12,6 +13,11 @@ from vit_triton.kernels import add_layer_norm, layer_norm
 
 def torch_layer_norm(eps):
     return lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b, eps)
+
+
+def torch_rms_norm(eps):
+    """F.rms_norm, then the bias if there is one (RMSNorm has none in PyTorch)."""
+    return lambda x, w, b: F.rms_norm(x, x.shape[-1:], w, eps) + (0 if b is None else b)
 
 
 def inputs(m, d, dtype, row_stride=None):
@@ -54,6 +60,25 @@ def test_every_element_is_written_in_place(dtype):
     check(result, torch_layer_norm(1e-6), x, w, b)
 
 
+# The norms besides LayerNorm with bias: (rms, bias).
+NORMS = pytest.mark.parametrize("rms, bias", [(False, False), (True, False), (True, True)],
+                                ids=["layer-no-bias", "rms-no-bias", "rms-bias"])
+
+
+def torch_norm(eps, rms):
+    return torch_rms_norm(eps) if rms else torch_layer_norm(eps)
+
+
+@each_dtype
+@NORMS
+@pytest.mark.parametrize("m, d, eps", [(1, 45, 1e-6), (37, 80, 1e-5), (197, 769, 1e-6), (5, 1000, 1e-12)])
+def test_rms_and_bias_free(dtype, rms, bias, m, d, eps):
+    # x*3 + 5 (inputs): a mean subtracted in RMSNorm would move every output; odd widths D = 45 and 769.
+    x, w, b = inputs(m, d, dtype)
+    b = b if bias else None
+    check(layer_norm(x, w, b, eps, rms=rms), torch_norm(eps, rms), x, w, b)
+
+
 def add_then(fn):
     """fn of x + parts.sum(0), the sum rounded once to x's precision as add_layer_norm rounds it."""
     return lambda x, parts, *rest: fn((x + parts.sum(0)).to(x.dtype), *rest)
@@ -72,11 +97,25 @@ def test_add_layer_norm(dtype, m, d, splits, row_stride):
     check(y, add_then(torch_layer_norm(1e-6)), x, parts, w, b)
 
 
-def test_add_layer_norm_normalises_the_rounded_sum():
-    # y must be the LayerNorm of the stream as stored (what the next block adds to), bit for bit.
+@each_dtype
+@NORMS
+@pytest.mark.parametrize("m, d, splits, row_stride", [(37, 45, 2, 51), (5, 769, 4, None)])
+def test_add_rms_and_bias_free(dtype, rms, bias, m, d, splits, row_stride):
+    x, w, b = inputs(m, d, dtype, row_stride)
+    b = b if bias else None
+    parts = rand(splits, m, d, dtype=torch.float32)
+    total, y = add_layer_norm(x, parts, w, b, 1e-6, rms=rms)
+    check(total, add_then(lambda s: s), x, parts)
+    check(y, add_then(torch_norm(1e-6, rms)), x, parts, w, b)
+
+
+@pytest.mark.parametrize("rms, bias", [(False, True), (True, False)], ids=["layer", "rms-no-bias"])
+def test_add_layer_norm_normalises_the_rounded_sum(rms, bias):
+    # y must be the norm of the stream as stored (what the next block adds to), bit for bit.
     x, w, b = inputs(37, 80, torch.bfloat16)
-    total, y = add_layer_norm(x, rand(2, 37, 80, dtype=torch.float32), w, b, 1e-6)
-    torch.testing.assert_close(y, layer_norm(total, w, b, 1e-6), rtol=0, atol=0)
+    b = b if bias else None
+    total, y = add_layer_norm(x, rand(2, 37, 80, dtype=torch.float32), w, b, 1e-6, rms=rms)
+    torch.testing.assert_close(y, layer_norm(total, w, b, 1e-6, rms=rms), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("parts, message", [

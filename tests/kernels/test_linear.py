@@ -1,6 +1,7 @@
-"""linear: y = scale * (act(x @ W^T + b) [+ residual]) against F.linear and PyTorch's activations, through each
-of its two kernels (the plain one for matrices that are not 16-byte aligned, the TMA one for those that are);
-linear_partials and split_k (split K); whole_wave_rows (a short last wave's rows launched apart)."""
+"""linear: y = scale * (act(x @ W^T + b) [+ residual]) against F.linear and PyTorch's activations (swiglu: F.silu of
+the gate's rows times the value's), through each of its two kernels (the plain one for matrices that are not 16-byte
+aligned, the TMA one for those that are); linear_partials and split_k (split K); whole_wave_rows (a short last
+wave's rows launched apart)."""
 
 import importlib
 import itertools
@@ -30,32 +31,39 @@ from vit_triton.kernels.tf32 import TF32_WEIGHT_ROWS
 LINEAR = importlib.import_module("vit_triton.kernels.linear")   # the module; the package exports the function
 
 
-TORCH_ACTIVATIONS = {
+TORCH_ACTIVATIONS = {   # each on the product; swiglu's on its gate
     "none": lambda y: y,
     "gelu": F.gelu,
     "gelu_tanh": partial(F.gelu, approximate="tanh"),
     "quick_gelu": lambda y: y * torch.sigmoid(1.702 * y),
+    "swiglu": F.silu,
 }
 
 
 def torch_linear(act, scale=1.0):
-    """PyTorch's sequence of ops, each rounding to the inputs' precision as a PyTorch model would."""
+    """PyTorch's sequence of ops, each rounding to the inputs' precision as a PyTorch model would. swiglu: the
+    gate's rows are weight[0::2] (and bias[0::2]), the value's weight[1::2]."""
     def fn(x, w, b, r):
-        y = TORCH_ACTIVATIONS[act](F.linear(x, w, b))
+        if act == "swiglu":
+            gate, value = (F.linear(x, w[i::2], None if b is None else b[i::2]) for i in (0, 1))
+            y = F.silu(gate) * value
+        else:
+            y = TORCH_ACTIVATIONS[act](F.linear(x, w, b))
         return scale * (y if r is None else y + r)
     return fn
 
 
-def inputs(m, n, k, dtype, bias=True, residual=True, strided=False, kernel=None):
-    """x [m, k], weight [n, k], bias [n], residual [m, n]. strided: x and the residual are views with
-    rows further apart than their width, as the class tokens tokens[:, 0] of a [B, T, D] tensor. kernel: x,
-    weight and residual laid out for that kernel of linear's (laid_out)."""
+def inputs(m, n, k, dtype, bias=True, residual=True, strided=False, kernel=None, gated=False):
+    """x [m, k], weight [n, k], bias [n], residual [m, n]; gated (swiglu): weight [2n, k] and bias [2n]. strided: x
+    and the residual are views with rows further apart than their width, as the class tokens tokens[:, 0] of a
+    [B, T, D] tensor. kernel: x, weight and residual laid out for that kernel of linear's (laid_out)."""
+    rows = 2 * n if gated else n
     x = rand(m, 3, k, dtype=dtype)[:, 0] if strided else rand(m, k, dtype=dtype)
     r = (rand(m, 2, n, dtype=dtype)[:, 1] if strided else rand(m, n, dtype=dtype)) if residual else None
-    w = rand(n, k, dtype=dtype, scale=k ** -0.5)
+    w = rand(rows, k, dtype=dtype, scale=k ** -0.5)
     if kernel is not None:
         x, w, r = (None if t is None else laid_out(t, kernel) for t in (x, w, r))
-    return x, w, rand(n, dtype=dtype) if bias else None, r
+    return x, w, rand(rows, dtype=dtype) if bias else None, r
 
 
 # linear runs its TMA kernel where every matrix is 16-byte aligned (base address and row stride), else its plain
@@ -102,25 +110,42 @@ EPILOGUES = list(itertools.product((True, False), ACTIVATIONS, (True, False)))
                          ids=[f"{'bias' if b else 'nobias'}-{a}-{'residual' if r else 'noresidual'}"
                               for b, a, r in EPILOGUES])
 def test_every_epilogue(dtype, kernel, bias, act, residual, ran):
-    # M, N, K none a multiple of any tile; x, W, the residual and out read and written in place through views.
-    x, w, b, r = inputs(37 * 3, 45, 53, dtype, bias, residual, kernel=kernel)
+    # M, N, K none a multiple of any tile (swiglu: W's 90 rows make 45 columns of y); x, W, the residual and out
+    # read and written in place through views.
+    x, w, b, r = inputs(37 * 3, 45, 53, dtype, bias, residual, kernel=kernel, gated=act == "swiglu")
     out = output(37 * 3, 45, dtype, kernel)
     check(linear(x, w, b, activation=act, residual=r, out=out), torch_linear(act), x, w, b, r)
     assert set(ran) == {KERNEL_NAMES[kernel]}
 
 
 SHAPES = [(1, 7, 3, "gelu"), (5, 96, 384, "none"), (37 * 3, 3 * 96, 96, "gelu_tanh"), (257, 45, 53, "quick_gelu"),
-          (197 * 3, 3 * 96, 96, "none"), (111, 1000, 64, "gelu")]
+          (197 * 3, 3 * 96, 96, "none"), (111, 1000, 64, "gelu"), (1, 7, 3, "swiglu"), (257, 45, 53, "swiglu"),
+          (197, 500, 97, "swiglu")]
 
 
 @each_dtype
 @KERNELS
 @pytest.mark.parametrize("m, n, k, act", SHAPES)
 def test_odd_shapes(dtype, kernel, m, n, k, act, ran):
-    x, w, b, r = inputs(m, n, k, dtype, kernel=kernel)
+    x, w, b, r = inputs(m, n, k, dtype, kernel=kernel, gated=act == "swiglu")
     out = output(m, n, dtype, kernel)
     check(linear(x, w, b, activation=act, residual=r, out=out), torch_linear(act), x, w, b, r)
     assert set(ran) == {KERNEL_NAMES[kernel]}
+
+
+def interleaved(gate, value):
+    """swiglu's weight [2n, k] (or bias [2n]) from the gate's and the value's: row 2j gate[j], row 2j + 1 value[j]."""
+    return torch.stack([gate, value], 1).flatten(0, 1)
+
+
+def activation_alone(x, act):
+    """act of each element of x [m, 16], through linear: y = x @ I, or for swiglu a gate of x @ I and a value of
+    0 @ x + 1, so that y = silu(x)."""
+    eye = torch.eye(16, device=DEVICE, dtype=x.dtype)
+    if act != "swiglu":
+        return linear(x, eye, activation=act, allow_tf32=False)
+    ones = torch.ones(16, device=DEVICE, dtype=x.dtype)
+    return linear(x, interleaved(eye, 0 * eye), interleaved(0 * ones, ones), activation=act, allow_tf32=False)
 
 
 # Far left, the sigmoid forms' 2^(...) overflows to inf and 1 / (1 + inf) = 0, the right limit;
@@ -128,10 +153,10 @@ def test_odd_shapes(dtype, kernel, m, n, k, act, ran):
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning")
 @pytest.mark.parametrize("act", ACTIVATIONS[1:])
 def test_activation_over_its_range(act):
-    # y = x @ I: every activation evaluated at 16 * 997 points of [-12, 12] in float32, held to
-    # float64 PyTorch within 1e-6 + 4e-6 |y| (the erfc approximation, the SFU's exp2 and reciprocal).
+    # Every activation evaluated at 16 * 997 points of [-12, 12] in float32, held to float64 PyTorch within
+    # 1e-6 + 4e-6 |y| (the erfc approximation, the SFU's exp2 and reciprocal).
     x = torch.linspace(-12, 12, 997 * 16, device=DEVICE).view(997, 16)
-    out = linear(x, torch.eye(16, device=DEVICE), activation=act, allow_tf32=False)
+    out = activation_alone(x, act)
     torch.testing.assert_close(out.double(), TORCH_ACTIVATIONS[act](x.double()), atol=1e-6, rtol=4e-6)
 
 
@@ -148,13 +173,13 @@ SIXTEEN_BIT_DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.flo
 @SIXTEEN_BIT_DTYPES
 @pytest.mark.parametrize("act", ACTIVATIONS[1:])
 def test_16bit_activation_over_its_range(act, dtype):
-    # y = x @ I, x exact in dtype: every activation at 16 * 997 points of [-12, 12] and at dtype's largest and
-    # smallest values (no overflow inside), held to float64 PyTorch within the fit's and the tanh's error plus
-    # half an ulp of y.
+    # x exact in dtype: every activation at 16 * 997 points of [-12, 12] and at dtype's largest and smallest
+    # values (no overflow inside), held to float64 PyTorch within the fit's and the tanh's error plus half an
+    # ulp of y.
     largest = torch.finfo(dtype).max
     x = torch.cat([torch.linspace(-12, 12, 997 * 16 - 2), torch.tensor([largest, -largest])])
     x = x.to(DEVICE, dtype).view(997, 16)
-    out = linear(x, torch.eye(16, device=DEVICE, dtype=dtype), activation=act).double()
+    out = activation_alone(x, act).double()
     ref = TORCH_ACTIVATIONS[act](x.double())
     half_ulp = torch.finfo(dtype).eps / 2   # relative
     fit_error = GELU_FIT_DEGREE_FIT_ERROR[ACTIVATION.GELU_FIT_DEGREES[dtype]] if act == "gelu" else 0.0
@@ -178,20 +203,24 @@ def test_one_tanh_form_only_where_asked(dtype, gelu_fit_degree, monkeypatch):
 
 @each_dtype
 @KERNELS
-def test_output_scale_applies_after_the_residual(dtype, kernel, ran):
-    x, w, b, r = inputs(29, 40, 33, dtype, kernel=kernel)
-    out = linear(x, w, b, activation="gelu", residual=r, scale=0.5, out=output(29, 40, dtype, kernel))
-    check(out, torch_linear("gelu", scale=0.5), x, w, b, r)
+@pytest.mark.parametrize("act", ["gelu", "swiglu"])
+def test_output_scale_applies_after_the_residual(dtype, kernel, act, ran):
+    x, w, b, r = inputs(29, 41, 33, dtype, kernel=kernel, gated=act == "swiglu")
+    out = linear(x, w, b, activation=act, residual=r, scale=0.5, out=output(29, 41, dtype, kernel))
+    check(out, torch_linear(act, scale=0.5), x, w, b, r)
     assert set(ran) == {KERNEL_NAMES[kernel]}
 
 
+@KERNELS
+@pytest.mark.parametrize("act", ["gelu", "swiglu"])
 @pytest.mark.parametrize("allow_tf32", [True, None, False], ids=["tf32", "global", "ieee"])
-def test_float32_matmul_precision(allow_tf32):
+def test_float32_matmul_precision(allow_tf32, act, kernel, ran):
     # PyTorch set to tf32 for float32 matmuls: None follows that setting, False overrides it.
-    x, w, b, r = inputs(37 * 3, 3 * 96, 96, torch.float32, strided=True)
-    fn = torch_linear("gelu")
+    x, w, b, r = inputs(37 * 3, 45, 96, torch.float32, kernel=kernel, gated=act == "swiglu")
+    fn = torch_linear(act)
     with tf32_matmuls():
-        out = linear(x, w, b, activation="gelu", residual=r, allow_tf32=allow_tf32)
+        out = linear(x, w, b, activation=act, residual=r, allow_tf32=allow_tf32,
+                     out=output(37 * 3, 45, torch.float32, kernel))
         torch_out = fn(x, w, b, r)
     ref = reference(fn, x, w, b, r)
     if allow_tf32 is False:
@@ -202,6 +231,7 @@ def test_float32_matmul_precision(allow_tf32):
         if DEVICE.type != "cuda":
             torch_out = fn(tf32_emulated(x), tf32_emulated(w), b, r)
         assert_like_torch(out, ref, torch_out)
+    assert set(ran) == {KERNEL_NAMES[kernel]}
 
 
 @TF32_WEIGHT_PATHS
@@ -248,7 +278,11 @@ def test_every_element_is_written_in_place(dtype, kernel, ran):
     (dict(b=empty(5)), "bias must have shape (6,), got (5,)"),
     (dict(x=empty(1, 5, 8)), "x must be 2-D [M, K] with unit stride along K, got shape (1, 5, 8)"),
     (dict(x=empty(8, 5).t()), "x must be 2-D [M, K] with unit stride along K, got shape (5, 8) and strides (1, 5)"),
-    (dict(act="relu"), "activation must be one of ('none', 'gelu', 'gelu_tanh', 'quick_gelu'), got 'relu'"),
+    (dict(act="relu"), "activation must be one of ('none', 'gelu', 'gelu_tanh', 'quick_gelu', 'swiglu'), got 'relu'"),
+    (dict(act="swiglu", w=empty(7, 8), b=empty(7)),
+     "swiglu's weight must have shape [2N, 8], the gate's and the value's rows interleaved, got (7, 8)"),
+    (dict(act="swiglu"), "residual must have shape (5, 3), got (5, 6)"),   # y is half as wide as W is tall
+    (dict(act="swiglu", r=None, out=empty(5, 6)), "out must have shape (5, 3), got (5, 6)"),
     (dict(r=empty(5, 7)), "residual must have shape (5, 6), got (5, 7)"),
     (dict(r=empty(6, 5).t()), "residual must have unit stride along N, got strides (1, 5)"),
     (dict(r=empty(5, 6, dtype=torch.float16)), "residual must be torch.float32, got torch.float16"),
@@ -303,19 +337,34 @@ def test_split_k_cuts_deep_products_of_few_tiles():
 
 @each_dtype
 @KERNELS
-def test_every_candidate_config(dtype, kernel, monkeypatch, ran):
+@pytest.mark.parametrize("act", ["gelu", "swiglu"])
+def test_every_candidate_config(dtype, kernel, act, monkeypatch, ran):
     # Each launch config a GPU's tuner may pick for each kernel, alone, at a shape none of its tiles divides:
     # the TMA kernel's and the plain kernel's. Every one fits Hopper's shared memory with a residual tile (the TMA
     # kernel's y goes through pointers): none may raise OutOfResources.
-    x, w, b, r = inputs(133, 72, 56, dtype, kernel=kernel)
+    n = 36 if act == "swiglu" else 72   # W's rows: 72
+    x, w, b, r = inputs(133, n, 56, dtype, kernel=kernel, gated=act == "swiglu")
+    out = output(133, n, dtype, kernel)
     if kernel == "plain":
         configs = PLAIN_FLOAT32 if dtype == torch.float32 else PLAIN
     else:
         configs = FLOAT32 if dtype == torch.float32 else list(dict.fromkeys(LARGE_M + SMALL_M + TINY_M))
     for config in configs:
         monkeypatch.setattr(LINEAR, f"_{kernel}_candidates", lambda m, element, config=config: [config])
-        check(linear(x, w, b, activation="gelu", residual=r), torch_linear("gelu"), x, w, b, r)
+        check(linear(x, w, b, activation=act, residual=r, out=out), torch_linear(act), x, w, b, r)
     assert set(ran) == {KERNEL_NAMES[kernel]}
+
+
+def test_gated_launches_are_tuned_apart(monkeypatch):
+    # swiglu's launch at a shape is another build of the kernel than the same product's without it, with
+    # another output: it has its own pick.
+    keys = []
+    pick = LINEAR._TUNER.pick
+    monkeypatch.setattr(LINEAR._TUNER, "pick", lambda key, *args: keys.append(key) or pick(key, *args))
+    x, w, b, _ = inputs(37, 24, 40, torch.bfloat16, residual=False)
+    for act in ("none", "swiglu"):
+        linear(x, w, b, activation=act)
+    assert len(keys) == 2 and keys[0] != keys[1]
 
 
 def test_whole_wave_rows_splits_a_short_last_wave_of_a_shallow_launch():

@@ -194,15 +194,16 @@ def rounded(t):
     return round_to_tf32(t).view(t.shape)
 
 
+@pytest.mark.parametrize("act, rows", [("gelu", 45), ("swiglu", 90)])   # swiglu: y 45 wide too
 @pytest.mark.parametrize("tf32", [True, False], ids=["tf32", "ieee"])
-def test_linear_flags(one_config, tf32):
-    x, w, b = rand(70, 53, dtype=F32), rand(45, 53, dtype=F32), rand(45, dtype=F32)
+def test_linear_flags(one_config, tf32, act, rows):
+    x, w, b = rand(70, 53, dtype=F32), rand(rows, 53, dtype=F32), rand(rows, dtype=F32)
     with tf32_matmuls() if tf32 else contextlib.nullcontext():
-        plain = linear(x, w, b, activation="gelu")
-        out = linear(x, w, b, activation="gelu", tf32_output=True)
+        plain = linear(x, w, b, activation=act)
+        out = linear(x, w, b, activation=act, tf32_output=True)
         assert torch.equal(out, rounded(plain) if tf32 else plain)
-        assert torch.equal(linear(rounded(x), w, b, activation="gelu", tf32_input=True),
-                           linear(rounded(x), w, b, activation="gelu"))
+        assert torch.equal(linear(rounded(x), w, b, activation=act, tf32_input=True),
+                           linear(rounded(x), w, b, activation=act))
         parts = linear_partials(rounded(x), w, b, 2, tf32_input=True)
         assert torch.equal(parts, linear_partials(rounded(x), w, b, 2))
 
@@ -217,18 +218,20 @@ def test_attention_flags(one_config, tf32):
         assert torch.equal(fused_attention(q, k, v, tf32_input=True), fused_attention(q, k, v))
 
 
+@pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms-no-bias"])
 @pytest.mark.parametrize("tf32", [True, False], ids=["tf32", "ieee"])
 @pytest.mark.parametrize("rows, width", [(4099, 64), (343, 768)])
-def test_layer_norm_flags(tf32, rows, width):
+def test_layer_norm_flags(tf32, rows, width, rms):
     # About 2.6e5 values: on an H100 two builds of the kernel once fused different squares of the variance
     # into FMAs, and one rounded value in about 10^5 came out a tf32 step off.
-    x, w, b = rand(rows, width, dtype=F32, scale=3.0, shift=1.0), rand(width, dtype=F32), rand(width, dtype=F32)
+    x, w = rand(rows, width, dtype=F32, scale=3.0, shift=1.0), rand(width, dtype=F32)
+    b = None if rms else rand(width, dtype=F32)
     parts = rand(2, rows, width, dtype=F32)
     with tf32_matmuls() if tf32 else contextlib.nullcontext():
-        plain = layer_norm(x, w, b, 1e-6)
-        assert torch.equal(layer_norm(x, w, b, 1e-6, tf32_output=True), rounded(plain) if tf32 else plain)
-        total, normed = add_layer_norm(x, parts, w, b, 1e-6)
-        flagged_total, flagged = add_layer_norm(x, parts, w, b, 1e-6, tf32_output=True)
+        plain = layer_norm(x, w, b, 1e-6, rms=rms)
+        assert torch.equal(layer_norm(x, w, b, 1e-6, rms=rms, tf32_output=True), rounded(plain) if tf32 else plain)
+        total, normed = add_layer_norm(x, parts, w, b, 1e-6, rms=rms)
+        flagged_total, flagged = add_layer_norm(x, parts, w, b, 1e-6, rms=rms, tf32_output=True)
         assert torch.equal(flagged_total, total)   # the residual stream itself is never rounded
         assert torch.equal(flagged, rounded(normed) if tf32 else normed)
 

@@ -1,11 +1,12 @@
-"""The activations of linear's epilogue, on its fp32 accumulator: none, GELU (exact, erf), tanh-GELU and QuickGELU
-(x * sigmoid(1.702 x)), each from special-function instructions (exp2, reciprocal, tanh) and FMAs.
+"""The activations of linear's epilogue, on its fp32 accumulator: none, GELU (exact, erf), tanh-GELU, QuickGELU
+(x * sigmoid(1.702 x)) and SwiGLU (silu(gate) * value, gate and value in interleaved columns, so the tile comes out
+half as wide), each from special-function instructions (exp2, reciprocal, tanh) and FMAs.
 
 A float32 (or tf32) output gets GELU as x * Phi(x) with Phi from the Abramowitz & Stegun erfc approximation, and the
-sigmoid forms from one exp2 and one reciprocal an element. A bf16 or fp16 output gets every activation as
-h + h tanh(u(x)), h = x / 2, from one tanh an element; for exact GELU, u is an odd polynomial fitted to erf, of the
-degree GELU_FIT_DEGREES gives for the output's dtype (gelu_fit_degree). Each form is within the output's rounding
-of PyTorch's (tests/kernels/test_linear.py).
+sigmoid forms (QuickGELU, SiLU) from one exp2 and one reciprocal an element. A bf16 or fp16 output gets every
+activation as h + h tanh(u(x)), h = x / 2, from one tanh an element (SiLU: u = h); for exact GELU, u is an odd
+polynomial fitted to erf, of the degree GELU_FIT_DEGREES gives for the output's dtype (gelu_fit_degree). Each form is
+within the output's rounding of PyTorch's (tests/kernels/test_linear.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import triton.language as tl
 
 from .common import LOG2E, exp2, reciprocal, tanh
 
-ACTIVATIONS = ("none", "gelu", "gelu_tanh", "quick_gelu")
+ACTIVATIONS = ("none", "gelu", "gelu_tanh", "quick_gelu", "swiglu")
 
 _GELU_P = tl.constexpr(0.3275911 * 0.7071067811865476)       # A&S p, times 1/sqrt(2) for z = |x|/sqrt(2)
 _MINUS_HALF_LOG2E = tl.constexpr(-0.5 * LOG2E)                # exp(-z^2) = 2^(-x^2 log2(e) / 2)
@@ -25,6 +26,7 @@ _QUICK_GELU_K = 1.702                   # QuickGELU: x sigmoid(1.702 x)
 _GELU_TANH_A = tl.constexpr(-2.0 * _SQRT_2_OVER_PI * LOG2E)  # exp(-2u) = 2^(x (A + B x^2))
 _GELU_TANH_B = tl.constexpr(-2.0 * _SQRT_2_OVER_PI * 0.044715 * LOG2E)
 _QUICK_GELU_A = tl.constexpr(-_QUICK_GELU_K * LOG2E)
+_SILU_A = tl.constexpr(-LOG2E)   # SiLU: x sigmoid(x), exp(-x) = 2^(-x log2(e))
 # The one-tanh forms: u(x) in h + h tanh(u(x)), h = x / 2. Exact GELU's u is an odd polynomial whose tanh is closest
 # to erf(x / sqrt(2)) (minimax fits): of degree 3 within 2.72e-4 of x Phi(x), which
 # bf16's rounding hides (half an ulp: 2e-3 at 1) and fp16's does not (2.4e-4); of degree 5 within 2.8e-5, its x^2
@@ -47,11 +49,14 @@ def gelu_fit_degree(dtype: torch.dtype, activation: str) -> int:
 @triton.jit
 def apply_activation(x, ACT: tl.constexpr, GELU_FIT_DEGREE: tl.constexpr):
     """The activation on fp32 x, from single SFU instructions and FMAs: evaluated once an element while no
-    MMA runs, so each instruction shows at K = 768.
+    MMA runs, so each instruction shows at K = 768. "swiglu" takes x [BM, BN] with the gate in its even columns
+    and the value in its odd ones, and returns silu(gate) * value [BM, BN // 2].
 
     GELU_FIT_DEGREE > 0 (y is 16-bit; gelu_fit_degree): h + h tanh(u(x)), one SFU instruction an element where
     the forms below take two; exact GELU's u is a fit of that degree. fc1 + GELU's relative Frobenius error on an H100: bf16
     (degree 3) 0.64-0.67x PyTorch's, fp16 (degree 5) 0.65-0.68x, against 0.62-0.67x below."""
+    if ACT == "swiglu":
+        x, value = tl.split(tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
     if GELU_FIT_DEGREE and ACT != "none":
         if ACT == "gelu" and GELU_FIT_DEGREE == 5:
             s = tl.minimum(x * x, 64.0)
@@ -60,8 +65,10 @@ def apply_activation(x, ACT: tl.constexpr, GELU_FIT_DEGREE: tl.constexpr):
             u = x * (_GELU_FIT3_1 + _GELU_FIT3_3 * x * x)
         elif ACT == "gelu_tanh":
             u = x * (_GELU_TANH_U + _GELU_TANH_U3 * x * x)
-        else:
+        elif ACT == "quick_gelu":
             u = x * _QUICK_GELU_U
+        else:   # SiLU: sigmoid(x) = (1 + tanh(x / 2)) / 2
+            u = 0.5 * x
         h = 0.5 * x
         x = h + h * tanh(u)   # +inf -> +inf, -inf -> NaN, as PyTorch's tanh form
     elif ACT == "gelu":
@@ -78,4 +85,9 @@ def apply_activation(x, ACT: tl.constexpr, GELU_FIT_DEGREE: tl.constexpr):
     elif ACT == "quick_gelu":
         # x * sigmoid(1.702x)
         x = x * reciprocal(1.0 + exp2(x * _QUICK_GELU_A))
+    elif ACT == "swiglu":
+        # SiLU, x * sigmoid(x)
+        x = x * reciprocal(1.0 + exp2(x * _SILU_A))
+    if ACT == "swiglu":
+        x = x * value
     return x

@@ -1,17 +1,18 @@
-"""LayerNorm over the last dimension: y = (x - mean) / sqrt(var + eps) * weight + bias, optionally
+"""LayerNorm over the last dimension: y = (x - mean) / sqrt(var + eps) * weight + bias, or RMSNorm (rms):
+y = x / sqrt(mean(x^2) + eps) * weight + bias, no mean subtracted; either without bias (None). Optionally
 after adding to x the K-slice partial sums of a split GEMM (add_layer_norm).
 
 Layout: x [M, D] with unit stride along D (any row stride); weight, bias [D]; y [M, D] contiguous;
 parts [S, M, D] fp32 contiguous.
 Each program normalises BLOCK_M rows held whole in registers: one read of x, one write of y;
-mean and variance are computed in fp32 from the registers (two-pass, no E[x^2] - E[x]^2). Programs
-take the last rows first: the GEMM that wrote x wrote them last, so they are the ones still in L2.
+mean and variance (or mean square) are computed in fp32 from the registers (two-pass, no E[x^2] - E[x]^2).
+Programs take the last rows first: the GEMM that wrote x wrote them last, so they are the ones still in L2.
 add_layer_norm first forms x + parts[0] + ... + parts[S-1] in fp32, rounds it once to x's dtype,
 writes it (the updated residual stream) and normalises that: the residual add of a split GEMM
 (linear_partials) costs no kernel of its own.
 
-Cost: about 8*M*D FLOPs; (2*M*D + 2*D) elements moved, so always memory-bound; add_layer_norm moves
-another M*D elements and S*M*D fp32 partial sums.
+Cost: about 8*M*D FLOPs (RMSNorm about 5*M*D); (2*M*D + 2*D) elements moved (D fewer without bias), so always
+memory-bound; add_layer_norm moves another M*D elements and S*M*D fp32 partial sums.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def _layer_norm_kernel(
     parts_ptr, sum_ptr,   # add_layer_norm only: the partial sums [NUM_PARTS, M, D], x + their sum [M, D]
     M, D, stride_xm, stride_ym, eps,
     y_tf32,   # 1: a float32 y stored rounded to tf32
+    HAS_BIAS: tl.constexpr, RMS: tl.constexpr,   # RMS: x / sqrt(mean(x^2) + eps), no mean subtracted
     NUM_PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
@@ -48,12 +50,16 @@ def _layer_norm_kernel(
         x = cast(x, sum_ptr.dtype.element_ty)
         tl.store(sum_ptr + rows * D + cols[None, :], x, mask=mask)
         x = x.to(tl.float32)   # normalise the stream as stored, as the unsplit model does
-    mean = tl.sum(x, axis=1) / D
-    diff = tl.where(mask, x - mean[:, None], 0.0)
+    if RMS:
+        diff = x   # zero past D already
+    else:
+        mean = tl.sum(x, axis=1) / D
+        diff = tl.where(mask, x - mean[:, None], 0.0)
     rstd = 1.0 / tl.sqrt(tl.sum(diff * diff, axis=1) / D + eps)
     w = tl.load(w_ptr + cols, mask=mask_d, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + cols, mask=mask_d, other=0.0).to(tl.float32)
-    y = diff * rstd[:, None] * w[None, :] + b[None, :]
+    y = diff * rstd[:, None] * w[None, :]
+    if HAS_BIAS:
+        y += tl.load(b_ptr + cols, mask=mask_d, other=0.0).to(tl.float32)[None, :]
     if y_ptr.dtype.element_ty == tl.float32:
         # y_tf32 is read at run time, so that the rounded y is the unrounded one's rounding bit for bit. Two
         # builds of this kernel may fuse different products of the sum of squares into FMAs (d0*d0 + d1*d1
@@ -66,13 +72,15 @@ def _layer_norm_kernel(
 def layer_norm(
     x: torch.Tensor,
     weight: torch.Tensor,
-    bias: torch.Tensor,
+    bias: torch.Tensor | None,
     eps: float,
     *,
+    rms: bool = False,
     tf32_output: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """LayerNorm of each row of a 2-D x [M, D] (unit stride along D) with weight, bias [D].
+    """LayerNorm of each row of a 2-D x [M, D] (unit stride along D) with weight, bias [D] (bias None: none added);
+    rms: RMSNorm instead, x / sqrt(mean(x^2) + eps) * weight (+ bias), as F.rms_norm but in fp32 throughout.
     tf32_output: the result is read only as a matmul operand; with float32 matmuls on tf32 it is stored
     rounded to tf32 (tf32.py)."""
     check_device(x, weight, bias, out)
@@ -85,7 +93,7 @@ def layer_norm(
         check_dtype("out", out, x.dtype)
         if out.stride(1) != 1:
             raise ValueError(f"out must have unit stride along D, got strides {out.stride()}")
-    _launch(x, weight, bias, out, eps, None, None, tf32_output)
+    _launch(x, weight, bias, out, eps, rms, None, None, tf32_output)
     return out
 
 
@@ -93,14 +101,15 @@ def add_layer_norm(
     x: torch.Tensor,
     parts: torch.Tensor,
     weight: torch.Tensor,
-    bias: torch.Tensor,
+    bias: torch.Tensor | None,
     eps: float,
     *,
+    rms: bool = False,
     tf32_output: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(s, LayerNorm(s)) for s = x + parts.sum(0), summed in fp32 and rounded once to x's dtype; x [M, D]
-    (unit stride along D), parts [S, M, D] float32 (linear_partials' output), weight, bias [D].
-    tf32_output: as layer_norm's, for the LayerNorm (s is stored as summed)."""
+    (unit stride along D), parts [S, M, D] float32 (linear_partials' output), weight, bias [D] or None.
+    rms, tf32_output: as layer_norm's, for the norm (s is stored as summed)."""
     check_device(x, parts, weight, bias)
     _check(x, weight, bias)
     M, D = x.shape
@@ -109,21 +118,22 @@ def add_layer_norm(
     check_dtype("parts", parts, torch.float32)
     total = torch.empty((M, D), device=x.device, dtype=x.dtype)
     out = torch.empty_like(total)
-    _launch(x, weight, bias, out, eps, parts.contiguous(), total, tf32_output)
+    _launch(x, weight, bias, out, eps, rms, parts.contiguous(), total, tf32_output)
     return total, out
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> None:
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     check_float("x", x)
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be 2-D [M, D] with unit stride along D, got shape {tuple(x.shape)} "
                          f"and strides {x.stride()}")
     for name, t in (("weight", weight), ("bias", bias)):
-        check_shape(name, t, (x.shape[1],))
-        check_dtype(name, t, x.dtype)
+        if t is not None:
+            check_shape(name, t, (x.shape[1],))
+            check_dtype(name, t, x.dtype)
 
 
-def _launch(x, weight, bias, out, eps: float, parts: torch.Tensor | None, total: torch.Tensor | None,
+def _launch(x, weight, bias, out, eps: float, rms: bool, parts: torch.Tensor | None, total: torch.Tensor | None,
             tf32_output: bool) -> None:
     M, D = x.shape
     block_d = triton.next_power_of_2(D)
@@ -132,8 +142,8 @@ def _launch(x, weight, bias, out, eps: float, parts: torch.Tensor | None, total:
     block_m = max(1, min(2048 // block_d, triton.next_power_of_2(M)))
     num_warps = min(16, max(1, block_m * block_d // 512))
     _layer_norm_kernel[(triton.cdiv(M, block_m),)](
-        x, weight.contiguous(), bias.contiguous(), out, parts, total,
+        x, weight.contiguous(), None if bias is None else bias.contiguous(), out, parts, total,
         M, D, x.stride(0), out.stride(0), eps, int(tf32_output and input_precision(x.dtype, None) == "tf32"),
-        NUM_PARTS=0 if parts is None else parts.shape[0],
+        HAS_BIAS=bias is not None, RMS=rms, NUM_PARTS=0 if parts is None else parts.shape[0],
         BLOCK_M=block_m, BLOCK_D=block_d, num_warps=num_warps, **pdl(x.device, triton.cdiv(M, block_m)),
     )

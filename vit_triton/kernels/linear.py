@@ -2,16 +2,20 @@
 
 Layouts: x [M, K] with unit stride along K (any row stride, so a view such as tokens[:, 0] is read in place);
 W [N, K] row-major, the nn.Linear layout, read K-major as the tensor cores want it (no transposed copy); b [N];
-residual and y [M, N] with unit stride along N.
+residual and y [M, N] with unit stride along N. A gated MLP's fc1 (activation "swiglu") is one product of
+W [2N, K] and b [2N] whose rows interleave the gate's and the value's (row 2j the gate's row j, 2j + 1 the
+value's), so that each output tile of the product holds both halves of its columns: the epilogue makes
+y [M, N] = silu(gate) * value from it, and the [M, 2N] product is never stored.
 
-Cost: 2*M*N*K FLOPs; at least (M*K + N*K + M*N [+ M*N residual]) elements moved (+ N bias); split K writes S*M*N
-fp32 partial sums instead of M*N outputs; a product launched in two parts of rows reads W twice (+ N*K).
+Cost: 2*M*N*K FLOPs; at least (M*K + N*K + M*N [+ M*N residual]) elements moved (+ N bias); with swiglu, N is W's
+rows, 2 * y's width, and y moves M*N/2 elements; split K writes S*M*N fp32 partial sums instead of M*N outputs; a
+product launched in two parts of rows reads W twice (+ N*K).
 
 The file, in reading order:
 
 - _tile_coords and _epilogue, shared by both kernels: the grouped order of output tiles, and what a finished fp32
   tile goes through before its one store (bias, then the activation of activation.py, then the residual add,
-  then the scale, so no elementwise kernel follows the GEMM).
+  then the scale, so no elementwise kernel follows the GEMM). swiglu's activation halves the tile's width.
 - _linear_plain_kernel, the kernel to read first (Triton's matrix-multiplication tutorial): masked pointer loads,
   one program per output tile and K slice. It runs where a matrix is not 16-byte aligned (common.tma_ready), and
   its candidate configs follow it.
@@ -66,18 +70,22 @@ def _tile_coords(tile, num_m, num_n, GROUP_M: tl.constexpr):
 def _epilogue(acc, m0, n0, split, M, N, b_ptr, r, y, stride_rm, stride_ym, scale,
               HAS_BIAS: tl.constexpr, ACT: tl.constexpr, GELU_FIT_DEGREE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
               HAS_SCALE: tl.constexpr, Y_TF32: tl.constexpr, R_TMA: tl.constexpr, Y_TMA: tl.constexpr):
-    """Bias, activation, residual, scale (and tf32 rounding, Y_TF32) on the fp32 tile acc of y at (m0, n0), then
-    its one store. The residual and y go through TMA descriptors where R_TMA, Y_TMA (clipped to [M, N]), else
-    through pointers; slice `split` of split K's partial sums is rows split*M... of y viewed as [SPLIT_K*M, N]."""
-    offs_m = m0 + tl.arange(0, acc.shape[0])
+    """Bias, activation, residual, scale (and tf32 rounding, Y_TF32) on the fp32 tile acc of the product at
+    (m0, n0) (N: W's rows), then its one store. The residual and y go through TMA descriptors where R_TMA, Y_TMA
+    (clipped to y's shape), else through pointers; slice `split` of split K's partial sums is rows split*M... of y
+    viewed as [SPLIT_K*M, N]. "swiglu" halves the tile: its y tile is at (m0, n0 / 2), of y [M, N / 2]."""
     offs_n = n0 + tl.arange(0, acc.shape[1])
-    mask_n = offs_n < N
     if HAS_BIAS:  # once: slice 0 adds it. tl.where, not `mask_n & (split == 0)`: Triton 3.9's interpreter
         # broadcasts a scalar comparison as int32, which a mask refuses (and 3.6's cannot branch on one).
-        first = tl.where(split == 0, mask_n, False)
+        first = tl.where(split == 0, offs_n < N, False)
         acc += tl.load(b_ptr + offs_n, mask=first, other=0.0).to(tl.float32)[None, :]
     acc = apply_activation(acc, ACT, GELU_FIT_DEGREE)
-    mask = (offs_m < M)[:, None] & mask_n[None, :]
+    if ACT == "swiglu":   # a gate and a value column of the product make one column of y
+        n0 = n0 // 2
+        N = N // 2
+        offs_n = n0 + tl.arange(0, acc.shape[1])
+    offs_m = m0 + tl.arange(0, acc.shape[0])
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     rows = offs_m[:, None].to(tl.int64)
     if HAS_RESIDUAL:
         if R_TMA:
@@ -113,7 +121,7 @@ def _linear_plain_kernel(
     without the bias.
 
     Per program: 2 * BLOCK_M * BLOCK_N * K / SPLIT_K FLOPs, (BLOCK_M + BLOCK_N) * K / SPLIT_K elements read, one
-    tile written (and one of the residual read)."""
+    tile written (and one of the residual read), BLOCK_N / 2 wide with swiglu."""
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     split = tl.program_id(1)
@@ -180,7 +188,7 @@ def _linear_tma_kernel(
     1.13x faster on an H100.
 
     Per item: 2 * BLOCK_M * BLOCK_N * K / SPLIT_K FLOPs, (BLOCK_M + BLOCK_N) * K / SPLIT_K elements read, one tile
-    written (and one of the residual read); the prefetch reads W once more, into L2."""
+    written (and one of the residual read), BLOCK_N / 2 wide with swiglu; the prefetch reads W once more, into L2."""
     if PREFETCH:
         # Launched before the previous kernel has finished (PDL), each program asks L2 for its share
         # of W, which no kernel writes; its loads after the wait then hit L2 instead of HBM.
@@ -311,7 +319,9 @@ def linear(
     """y = scale * (activation(x @ weight.T + bias) + residual) for 2-D x [M, K] and weight [N, K].
 
     activation: "none", "gelu" (exact erf), "gelu_tanh" or "quick_gelu" (x * sigmoid(1.702 x)); a bf16 or fp16 y
-    gets them from one tanh an element, to within its rounding (activation.py).
+    gets them from one tanh an element, to within its rounding (activation.py). "swiglu": weight [2N, K] and bias
+    [2N] hold a gate's and a value's rows interleaved (row 2j the gate's row j, 2j + 1 the value's), and
+    y [M, N] = scale * (silu(x @ Wg.T + bg) * (x @ Wv.T + bv) + residual), Wg = weight[0::2], Wv = weight[1::2].
     allow_tf32: for float32 inputs; None follows torch.get_float32_matmul_precision().
     tf32_input, tf32_output: see tf32.py; they act only where the matmuls run on tf32.
     out must not alias x or residual.
@@ -320,6 +330,11 @@ def linear(
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     weight, bias = _checked(x, weight, bias, residual, out)
     M, N = x.shape[0], weight.shape[0]
+    if activation == "swiglu":
+        if N % 2:
+            raise ValueError(f"swiglu's weight must have shape [2N, {x.shape[1]}], the gate's and the value's rows "
+                             f"interleaved, got {tuple(weight.shape)}")
+        N //= 2
     for name, t in (("residual", residual), ("out", out)):
         if t is not None:
             check_shape(name, t, (M, N))
@@ -438,9 +453,10 @@ def launch_linear(config: Config, x, weight, bias, residual, out, scale: float, 
         return
     x_desc = TensorDescriptor.from_tensor(x, [bm, bk])
     w_desc = TensorDescriptor.from_tensor(weight, [bn, bk])
-    r_desc = TensorDescriptor.from_tensor(residual, [bm, bn]) if residual is not None else None
+    out_bn = bn // 2 if flags["ACT"] == "swiglu" else bn   # swiglu: a y tile is half the product's
+    r_desc = TensorDescriptor.from_tensor(residual, [bm, out_bn]) if residual is not None else None
     # y through a descriptor but for a residual product and split K's partial sums (_linear_tma_kernel)
-    y = out if residual is not None or splits > 1 else TensorDescriptor.from_tensor(out, [bm, bn])
+    y = out if residual is not None or splits > 1 else TensorDescriptor.from_tensor(out, [bm, out_bn])
     items = tiles * splits
     grid = (min(items, sm_count(x.device) * persistent) if persistent else items,)
     _linear_tma_kernel[grid](

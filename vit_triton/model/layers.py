@@ -10,31 +10,38 @@ from ..ops import layer_norm, linear
 
 
 class LayerNorm(nn.Module):
-    """tf32_output: the output is read only by a GEMM, so with float32 matmuls on tf32 it is stored rounded
+    """LayerNorm, or with rms RMSNorm (x / sqrt(mean(x^2) + eps) * weight); bias=False: no bias parameter.
+    tf32_output: the output is read only by a GEMM, so with float32 matmuls on tf32 it is stored rounded
     to tf32 and the GEMM skips that rounding (kernels/tf32.py)."""
 
-    def __init__(self, dim: int, eps: float, tf32_output: bool = False, **factory) -> None:
+    def __init__(self, dim: int, eps: float, tf32_output: bool = False, bias: bool = True, rms: bool = False,
+                 **factory) -> None:
         super().__init__()
         self.eps = eps
-        self.tf32_output = tf32_output
+        self.tf32_output, self.rms = tf32_output, rms
         self.weight = nn.Parameter(torch.ones(dim, **factory))
-        self.bias = nn.Parameter(torch.zeros(dim, **factory))
+        self.bias = nn.Parameter(torch.zeros(dim, **factory)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return layer_norm(x, self.weight, self.bias, self.eps, tf32_output=self.tf32_output)
+        return layer_norm(x, self.weight, self.bias, self.eps, rms=self.rms, tf32_output=self.tf32_output)
 
 
 class Linear(nn.Module):
     """y = scale * (activation(x @ W^T + b) [+ residual]), all in one GEMM. tf32_input: x comes from a
-    kernel's tf32_output; tf32_output: y is read only by another GEMM or attention (kernels/tf32.py)."""
+    kernel's tf32_output; tf32_output: y is read only by another GEMM or attention (kernels/tf32.py).
+
+    activation "swiglu" (a gated MLP's fc1): y [.., d_out] = silu(x @ Wg^T + bg) * (x @ Wv^T + bv), from one
+    weight [2 * d_out, d_in] and bias [2 * d_out] whose rows interleave the gate's and the value's: row 2j is
+    Wg's row j, row 2j + 1 Wv's (a loader must interleave a checkpoint's gate and value weights into this layout)."""
 
     def __init__(self, d_in: int, d_out: int, bias: bool = True, activation: str = "none", tf32_input: bool = False,
                  tf32_output: bool = False, **factory) -> None:
         super().__init__()
         self.activation = activation
         self.tf32_input, self.tf32_output = tf32_input, tf32_output
-        self.weight = nn.Parameter(torch.empty(d_out, d_in, **factory))
-        self.bias = nn.Parameter(torch.zeros(d_out, **factory)) if bias else None
+        rows = 2 * d_out if activation == "swiglu" else d_out   # swiglu: a gate's and a value's row an output
+        self.weight = nn.Parameter(torch.empty(rows, d_in, **factory))
+        self.bias = nn.Parameter(torch.zeros(rows, **factory)) if bias else None
         nn.init.trunc_normal_(self.weight, std=0.02)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
