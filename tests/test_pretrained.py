@@ -6,7 +6,9 @@ import re
 import shutil
 
 import pytest
+import timm
 import torch
+from packaging.version import Version
 
 from tests.checkpoints import family_outputs, hf_model, save_hf, save_timm, timm_model
 from tests.numerics import DEVICE, assert_close, randomize_
@@ -124,6 +126,8 @@ TIMM_CASES = {
 @pytest.mark.parametrize("case", TIMM_CASES)
 def test_timm_checkpoint_matches_timm(case, tmp_path):
     name, kw, model_args = TIMM_CASES[case]
+    if case == "rope-mixed" and Version(timm.__version__) < Version("1.0.31"):
+        pytest.skip("timm before 1.0.31 cannot run RoPE-mixed at its own grid in float64, the reference's dtype")
     ref = timm_model(name, **kw)
     weights = "model.safetensors" if model_args else "pytorch_model.bin"
     directory = save_timm(ref, tmp_path, weights=weights, model_args=model_args)

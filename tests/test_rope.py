@@ -77,7 +77,7 @@ def timm_rope_config(model) -> ViTConfig:
     kind = {"RotaryEmbeddingCat": "axial", "RotaryEmbeddingMixed": "mixed",
             "RotaryEmbeddingDinoV3": "centered"}[type(r).__name__]
     if kind == "axial":   # what Eva passes; the only settings our "axial" covers
-        assert (r.in_pixels, r.grid_type) == (False, "index")
+        assert (r.in_pixels, getattr(r, "grid_type", "index")) == (False, "index")   # timm 1.0.29 has no grid_type
     if kind == "centered":
         assert (r.normalize_coords, r.min_period, r.max_period) == ("separate", None, None)
     return ViTConfig(image_size=model.patch_embed.img_size[0], patch_size=model.patch_embed.patch_size[0],
