@@ -46,6 +46,26 @@ def test_equal_to_transformers_image_processor(case, tmp_path):
         assert torch.equal(got, want), f"{case} {h}x{w}: max difference {(got - want).abs().max()}"
 
 
+def test_dinov3_processor_within_a_uint8_step(tmp_path):
+    # transformers' DINOv3 processor resizes the rescaled float image; ours resizes uint8 first (rounded, in
+    # torchvision's fixed point), as for the others
+    import transformers
+
+    transformers.DINOv3ViTImageProcessor(size={"height": 40, "width": 24}).save_pretrained(tmp_path)
+    theirs = transformers.AutoImageProcessor.from_pretrained(tmp_path)
+    ours = Preprocess.from_hf(json.loads((tmp_path / "preprocessor_config.json").read_text()))
+    assert ours == Preprocess.from_hf({}, "DINOv3ViTModel", 224)._hf_at((40, 24))   # the defaults, resized
+    bound = 1 / 255 / min(ours.std)
+    worst = 0.0
+    for seed, (h, w) in enumerate(SIZES):
+        img = image(seed, h, w)
+        want = theirs(img, return_tensors="pt")["pixel_values"][0]
+        got = ours(img)
+        assert got.shape == want.shape == (3, 40, 24)
+        worst = max(worst, (got - want).abs().max().item())
+    assert 0 < worst <= bound, (worst, bound)
+
+
 TIMM_CFGS = {
     "bicubic-0.9": dict(input_size=(3, 32, 32), interpolation="bicubic", crop_pct=0.9, mean=(0.5,) * 3,
                         std=(0.5,) * 3),

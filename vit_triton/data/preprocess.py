@@ -56,10 +56,15 @@ _HF_PROCESSORS = {
        for name in ("CLIPImageProcessor", "BitImageProcessor")},
     "SiglipImageProcessor": dict(do_resize=True, size={"height": 224, "width": 224}, resample=3,
                                  do_center_crop=False, crop_size=None),
+    # DINOv3's rescales before it resizes (a float image, never rounded to uint8); here the resize comes first,
+    # on uint8 as the others': each pixel within one uint8 step (before normalizing) of transformers'
+    "DINOv3ViTImageProcessor": dict(do_resize=True, size={"height": 224, "width": 224}, resample=2,
+                                    do_center_crop=False, crop_size=None, image_mean=IMAGENET_DEFAULT_MEAN,
+                                    image_std=IMAGENET_DEFAULT_STD),
 }
 # The processor a transformers architecture gets without a preprocessor_config.json, by name prefix.
 _HF_DEFAULT_PROCESSORS = {"DeiT": "DeiTImageProcessor", "CLIP": "CLIPImageProcessor", "Dinov2": "BitImageProcessor",
-                          "Siglip": "SiglipImageProcessor"}
+                          "Siglip": "SiglipImageProcessor", "DINOv3": "DINOv3ViTImageProcessor"}
 OPEN_CLIP_RESIZE_MODES = ("shortest", "squash")
 _HF_COMMON = dict(do_rescale=True, rescale_factor=1 / 255, do_normalize=True,
                   image_mean=IMAGENET_STANDARD_MEAN, image_std=IMAGENET_STANDARD_STD)
