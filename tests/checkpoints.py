@@ -33,8 +33,8 @@ def hf_model(cls_name: str, seed: int = 0, **kw) -> torch.nn.Module:
 
 
 def family_outputs(model, pixels):
-    """A transformers DINOv2, DINOv3, CLIP, SigLIP or ViT-MAE encoder's last_hidden_state, the image embedding its library
-    defines, and the pooled features before a projection; at any input size, as each resamples its position
+    """A transformers DINOv2, DINOv3, CLIP, SigLIP or ViT-MAE encoder's last_hidden_state, the image embedding its
+    library defines, and the pooled features before a projection; at any input size, as each resamples its position
     embedding (interpolate_pos_encoding; DINOv2 always does)."""
     import transformers
 

@@ -121,7 +121,8 @@ def hf_config_to_vit(config: dict, num_classes: int = 0, head_dist: bool = False
         num_heads=config["num_attention_heads"],
         mlp_dim=mlp_dim, qkv_bias=config.get("qkv_bias", True),
         norm_eps=config.get("layer_norm_eps", 1e-5 if clip else 1e-6 if dinov2 or siglip else 1e-12),
-        act="swiglu" if swiglu else _ACTIVATIONS[act], class_token=not siglip, reg_tokens=config.get("num_register_tokens", 0),
+        act="swiglu" if swiglu else _ACTIVATIONS[act], class_token=not siglip,
+        reg_tokens=config.get("num_register_tokens", 0),
         pos_embed_prefix=not config.get("num_register_tokens"),   # see hf_state_dict_to_vit
         patch_bias=not clip, pre_norm=clip, fc_norm=clip,   # CLIP normalizes only the pooled class token
         pool="map" if siglip else "token",
@@ -175,11 +176,12 @@ def hf_state_dict_to_vit(state_dict: dict[str, torch.Tensor], cfg: ViTConfig,
     if cfg.reg_tokens:   # DINOv2's registers have no position: the class token's row moves into the token
         mapped.add_first_row("cls_token", "pos_embed")
     mapped.concat("prefix_tokens", ["cls_token", "distillation_token", "reg_token"])
+    with_bias = next((n for n in "qkv" if n not in zero_biases), None)   # the zeros' shape
     for i in range(cfg.depth):
         b = f"blocks.{i}."
         mapped.concat(b + "qkv.weight", [b + n + ".weight" for n in "qkv"], shape=(d, d))
         for n in zero_biases:   # projections the config makes without bias
-            mapped.zeros_like(b + n + ".bias", b + next(m for m in "qkv" if m not in zero_biases) + ".bias")
+            mapped.zeros_like(b + n + ".bias", b + with_bias + ".bias")
         mapped.concat(b + "qkv.bias", [b + n + ".bias" for n in "qkv"], shape=(d,))
         if cfg.act == "swiglu":   # DINOv3's gate_proj and up_proj, or DINOv2's weights_in (gate, then value)
             for name in ("weight", "bias"):

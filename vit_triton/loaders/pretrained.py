@@ -130,6 +130,8 @@ def _timm_eva(architecture: str, config: dict) -> ViTConfig | None:
             raise ImportError(f"{architecture} is a timm Eva, whose rotary settings come from timm's registry: "
                               f"pip install timm") from None
         return None
+    if not timm.is_model(architecture) or timm.models.model_entrypoint(architecture).__module__ != "timm.models.eva":
+        return None
     args = dict(config.get("model_args") or {})
     size = (config.get("pretrained_cfg") or {}).get("input_size")
     if size and "img_size" not in args:
@@ -137,9 +139,9 @@ def _timm_eva(architecture: str, config: dict) -> ViTConfig | None:
     try:
         with torch.device("meta"):
             module = timm.create_model(architecture, pretrained=False, **args)
-    except (RuntimeError, TypeError):   # an architecture, or an argument, this timm does not know
+    except TypeError:   # an argument this timm does not know
         return None
-    return timm_config_to_vit(module) if type(module).__name__ == "Eva" else None
+    return timm_config_to_vit(module)
 
 
 def _timm(source: str, config: dict, state_dict: dict):
@@ -192,7 +194,8 @@ def _timm_config(architecture: str, config: dict, sd: dict) -> ViTConfig:
         mlp_dim=sd["blocks.0.mlp.fc2.weight"].shape[1] if depth else 4 * embed_dim,
         qkv_bias="blocks.0.attn.qkv.bias" in sd,
         norm_eps=1e-5 if "_clip_" in architecture else 1e-6,  # CLIP towers use nn.LayerNorm's default
-        act="swiglu" if gated else _TIMM_ACTIVATIONS[act], class_token=class_token, dist_token=dist_token, reg_tokens=reg_tokens,
+        act="swiglu" if gated else _TIMM_ACTIVATIONS[act], class_token=class_token, dist_token=dist_token,
+        reg_tokens=reg_tokens,
         pos_embed_prefix=pos_embed_prefix, patch_bias="patch_embed.proj.bias" in sd,
         pre_norm="norm_pre.weight" in sd, final_norm="norm.weight" in sd or "fc_norm.weight" in sd,
         fc_norm="fc_norm.weight" in sd, pool=pool, num_classes=num_classes, head_dist="head_dist.weight" in sd,

@@ -104,7 +104,8 @@ def timm_config_to_vit(module: nn.Module) -> ViTConfig:
         image_size=pe.img_size[0], patch_size=pe.patch_size[0], in_chans=pe.proj.in_channels,
         embed_dim=module.embed_dim, depth=len(module.blocks), num_heads=block.attn.num_heads,
         mlp_dim=block.mlp.fc2.in_features, qkv_bias=block.attn.qkv.bias is not None, norm_eps=block.norm1.eps,
-        act="swiglu" if _is_swiglu_packed(block.mlp) else _activation(block.mlp.act), class_token=module.cls_token is not None,
+        act="swiglu" if _is_swiglu_packed(block.mlp) else _activation(block.mlp.act),
+        class_token=module.cls_token is not None,
         reg_tokens=module.num_reg_tokens, pos_embed_prefix=not module.no_embed_class,
         patch_bias=pe.proj.bias is not None, pre_norm=_is_layer_norm(module.norm_pre),
         final_norm=_is_layer_norm(module.norm) or _is_layer_norm(module.fc_norm),
@@ -153,8 +154,8 @@ def _eva_config(module: nn.Module) -> ViTConfig:
         getattr(attn, "q_proj", None) is not None and attn.q_proj.bias is not None)
     unsupported = {
         f"block type {type(block).__name__} (supported: EvaBlock)": type(block).__name__ != "EvaBlock",
-        f"MLP type {mlp_type} (supported: Mlp, GluMlp with its gate first, SwiGLU)": not (
-            mlp_type in ("Mlp", "SwiGLU") or mlp_type == "GluMlp" and not mlp.gate_last),
+        f"MLP type {mlp_type} (supported: Mlp, SwiGLUPacked, SwiGLU)": not (
+            mlp_type in ("Mlp", "SwiGLU") or _is_swiglu_packed(mlp)),
         "grouped-query attention (num_kv_heads)": getattr(attn, "num_kv_heads", attn.num_heads) != attn.num_heads,
         "qk_norm": not isinstance(getattr(attn, "q_norm", nn.Identity()), nn.Identity),
         "an attention scale norm (scale_attn_inner)": not isinstance(getattr(attn, "norm", nn.Identity()),

@@ -30,7 +30,7 @@ def resample(table: torch.Tensor, prefix: int, old_grid: tuple[int, int], new_gr
     return torch.cat([table[:prefix], patches])
 
 
-def _state(table: torch.Tensor) -> tuple:
+def tensor_state(table: torch.Tensor) -> tuple:
     """What tells that a table changed: its memory, dtype and device, and its version counter (an inference
     tensor has none: only a new tensor is seen)."""
     return table.data_ptr(), table.dtype, table.device, None if table.is_inference() else table._version
@@ -54,14 +54,14 @@ class ResampledTables:
         if torch.compiler.is_compiling():   # part of the compiled graph: no Python state to keep
             return resample(table, self.prefix, self.grid, grid, self.style)
         kept = self.tables.get(grid)
-        if kept is None or kept[1] != _state(table):
+        if kept is None or kept[1] != tensor_state(table):
             return self._resample(table, grid)
         return kept[0]
 
     def refresh(self, table: torch.Tensor) -> None:
         """Resamples again every kept table that `table` changed since (CUDAGraphRunner does it before a replay)."""
         for grid, (_, state) in list(self.tables.items()):
-            if state != _state(table):
+            if state != tensor_state(table):
                 self._resample(table, grid)
 
     def _resample(self, table: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
@@ -72,5 +72,5 @@ class ResampledTables:
             if kept is not None and (kept[0].shape, kept[0].dtype, kept[0].device) == (new.shape, new.dtype,
                                                                                            new.device):
                 new = kept[0].copy_(new)
-        self.tables[grid] = (new, _state(table))
+        self.tables[grid] = (new, tensor_state(table))
         return new

@@ -14,7 +14,7 @@ import math
 import torch
 
 from .config import ViTConfig
-from .pos_embed import _state
+from .pos_embed import tensor_state
 
 
 def _layout(x: torch.Tensor, half: bool) -> torch.Tensor:
@@ -116,7 +116,7 @@ class RopeTables:
 
     @staticmethod
     def _state(freqs: torch.Tensor | None) -> tuple | None:
-        return None if freqs is None else _state(freqs)
+        return None if freqs is None else tensor_state(freqs)
 
     def _compute(self, key: tuple, freqs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         # Normal tensors, without autograd history, even when called in inference mode or on a parameter.
