@@ -87,7 +87,7 @@ def launch_linear(cfg, x, w, b, r, y, act, persistent: int, tma: bool):
     flags = dict(HAS_BIAS=True, ACT=act, GELU_FIT_DEGREE=gelu_fit_degree(x.dtype, act),
                  HAS_RESIDUAL=r is not None, HAS_SCALE=False,
                  INPUT_PRECISION=input_precision(x.dtype, True), X_TF32=False, W_TF32=False, Y_TF32=False,
-                 SPLIT_K=1)
+                 ROPE=False, ROPE_HALF=False, HEAD_DIM=0, SPLIT_K=1)
     linear_mod.launch_linear(Config(*cfg, persistent), x, w, b, r, y, 1.0, flags, tma)
 
 

@@ -64,6 +64,8 @@ def compile_kernel(kernel, dtype: str, options: dict, constexprs: dict, descript
             signature[p.name] = f"tensordesc<{element}{list(descriptors[p.name])}>"
         elif p.name == "parts_ptr" or (p.name in ("y", "y_ptr") and constexprs.get("SPLIT_K", 1) > 1):
             signature[p.name] = "*fp32"
+        elif p.name in ("cos_ptr", "sin_ptr"):   # linear's rotary tables, float32 for every dtype
+            signature[p.name] = "*fp32"
         elif p.name.endswith("_ptr") or p.name == LINEAR_OUTPUT:
             signature[p.name] = f"*{element}"
         else:
@@ -82,7 +84,10 @@ def linear_case(name: str, dtype: str, config: Config, pdl: int = PDL_LATE, spli
     """linear with this launch config: the plain kernel, or with tma the TMA kernel, prefetching its weights and
     passed x, w, r and y (but a residual product's y and split K's fp32 partial sums) as descriptors of its tiles."""
     bm, bn, bk, warps, stages, _ = config
-    defaults = dict(X_TF32=False, W_TF32=False, Y_TF32=False, GELU_FIT_DEGREE=gelu_fit_degree(torch_dtype(dtype), flags["ACT"]))
+    defaults = dict(X_TF32=False, W_TF32=False, Y_TF32=False, ROPE=False, ROPE_HALF=False, HEAD_DIM=0,
+                    GELU_FIT_DEGREE=gelu_fit_degree(torch_dtype(dtype), flags["ACT"]))
+    if not flags.get("ROPE"):
+        defaults.update(cos_ptr=None, sin_ptr=None)
     constexprs = dict(defaults | flags, PDL=pdl, SPLIT_K=split_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8)
     options = {"num_warps": warps, "num_stages": stages}
     if not tma:
@@ -112,6 +117,11 @@ def cases():
         for tma, rest in itertools.product((False, True), (False, True)):
             yield linear_case(f"linear{'-tma' * tma}-swiglu", dtype, config, HAS_BIAS=True, ACT="swiglu",
                               HAS_RESIDUAL=rest, HAS_SCALE=rest, INPUT_PRECISION="ieee", tma=tma)
+        # A QKV projection that rotates q and k (rotary embeddings): pairs side by side, or a half apart.
+        for tma, half in itertools.product((False, True), (False, True)) if dtype == "bf16" else ():
+            yield linear_case(f"linear{'-tma' * tma}-rope{'-half' * half}", dtype, config, HAS_BIAS=True, ACT="none",
+                              HAS_RESIDUAL=False, HAS_SCALE=False, INPUT_PRECISION="ieee", tma=tma, ROPE=True,
+                              ROPE_HALF=half, HEAD_DIM=64)
         if dtype == "bf16":   # the residual GEMMs' wide tile at large batch
             yield linear_case("linear-tma-wide-residual", dtype, WIDE_RESIDUAL, HAS_BIAS=True, ACT="none",
                               HAS_RESIDUAL=True, HAS_SCALE=False, INPUT_PRECISION="ieee", tma=True)

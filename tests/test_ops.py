@@ -39,6 +39,10 @@ CASES = {
     "linear-tf32": (ops._linear, lambda: (_r(37, 48, dtype=F32), _r(40, 48, dtype=F32), _r(40, dtype=F32), "gelu",
                                           None, 1.0, True, True)),
     "linear-swiglu": (ops._linear, lambda: (_r(37, 48), _r(80, 48), _r(80), "swiglu", _r(37, 40), 0.5, False, False)),
+    "linear-rope": (ops._linear, lambda: (_r(38, 48), _r(96, 48), _r(96), "none", None, 1.0, False, False,
+                                          *_rope(18, 16), False, 1)),
+    "linear-rope-half-per-head": (ops._linear, lambda: (_r(14, 48, dtype=F32), _r(192, 48, dtype=F32), None, "none",
+                                                        None, 1.0, False, True, *_rope(2, 7, 32), True, 0)),
     "linear_partials": (ops._linear_partials, lambda: (_r(37, 48), _r(40, 48), _r(40), 3, False)),
     "linear_partials-tf32": (ops._linear_partials, lambda: (_r(37, 48, dtype=F32), _r(40, 48, dtype=F32), None, 2,
                                                             True)),
@@ -56,10 +60,6 @@ CASES = {
                                                             *_r(2, 19, 2, 3, 16).unbind(2), None, False, False)),
     "fused_attention-tf32": (ops._fused_attention, lambda: (*[t.float() for t in _qkv(2, 7, 2, 16)], None, True,
                                                             True)),
-    "fused_attention-rope": (ops._fused_attention, lambda: (*_qkv(2, 19, 3, 16), None, False, False, *_rope(18, 16),
-                                                            False, 1)),
-    "fused_attention-rope-half-per-head": (ops._fused_attention, lambda: (*_qkv(1, 7, 2, 32), None, False, False,
-                                                                          *_rope(2, 7, 32), True, 0)),
     "patch_embed": (ops._patch_embed, lambda: (_r(2, 3, 16, 24, dtype=torch.float32), _r(32, 3, 8, 8), _r(32),
                                                _r(7, 32), _r(1, 32))),
     "patch_embed-bare": (ops._patch_embed, lambda: (_r(1, 3, 8, 8), _r(16, 3, 4, 4), None, None, None)),
@@ -95,15 +95,15 @@ def test_a_layer_with_an_activation_is_never_split(monkeypatch):
         ops.ResidualStream(x, batch=1).add(proj, h).tensor()   # without one, it is split
 
 
-def test_torch_compile_traces_rope_attention():
-    q, k, v = _qkv(2, 21, 2, 32)
+def test_torch_compile_traces_a_rotating_qkv_projection():
+    x, w, b = _r(42, 48), _r(192, 48), _r(192)
     cos, sin = _rope(16, 32)
 
-    def attend(q, k, v, cos, sin):
-        return ops.fused_attention(q, k, v, rope=(cos, sin), rope_half=True, rope_prefix=5)
+    def project(x, w, b, cos, sin):
+        return ops.linear(x, w, b, rope=(cos, sin), rope_half=True, rope_prefix=5)
 
-    compiled = torch.compile(attend, fullgraph=True)   # a graph break would raise
-    torch.testing.assert_close(compiled(q, k, v, cos, sin), attend(q, k, v, cos, sin), rtol=0, atol=0)
+    compiled = torch.compile(project, fullgraph=True)   # a graph break would raise
+    torch.testing.assert_close(compiled(x, w, b, cos, sin), project(x, w, b, cos, sin), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("cfg", [

@@ -1,4 +1,4 @@
-"""Rotary embeddings against timm's and transformers': rope_reference (what fused_attention computes) rotates as
+"""Rotary embeddings against timm's and transformers': rope_reference (what the QKV projection computes) rotates as
 they do, given their tables for a 3 x 5 patch grid; model/rope.py builds those tables itself, at any grid. Both
 bit for bit in float32."""
 
@@ -12,7 +12,7 @@ from transformers import DINOv3ViTConfig, DINOv3ViTModel
 from transformers.models.dinov3_vit.modeling_dinov3_vit import DINOv3ViTRopePositionEmbedding, apply_rotary_pos_emb
 
 from tests.numerics import DEVICE
-from vit_triton.kernels.attention import check_rope
+from vit_triton.kernels.linear import check_rope
 from vit_triton.model import ViTConfig
 from vit_triton.model.reference import rope_reference
 from vit_triton.model.rope import RopeTables, rope_tables
@@ -152,8 +152,8 @@ def test_mixed_tables_follow_the_learned_freqs():
     freqs = torch.nn.Parameter(torch.randn(tables.freqs_shape))   # timm's rope.freqs [2, depth, H, Dh / 2]
     cos, sin = tables(GRID, freqs=freqs)
     assert cos.shape == (2, 2, 15, 64) and not cos.requires_grad and tables(GRID, freqs=freqs)[0] is cos
-    # A block's slice is what fused_attention takes: contiguous, one table per head.
-    assert check_rope((cos[1], sin[1]), 16, 16, 2, 64, 1)[2] == 15 * 64
+    # A block's slice is what its QKV projection takes: contiguous, one table per head.
+    assert check_rope((cos[1], sin[1]), 2 * 16, 3 * 2 * 64, False, 1, "none", None, 1.0).head_stride == 15 * 64
 
     def fresh():
         return [t.detach() for t in rope_tables(cfg, GRID, freqs=freqs)]

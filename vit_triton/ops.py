@@ -28,13 +28,17 @@ from .kernels import split_k
 
 @torch.library.custom_op("vit_triton::linear", mutates_args=())
 def _linear(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str, residual: Tensor | None,
-            scale: float, tf32_input: bool, tf32_output: bool) -> Tensor:
+            scale: float, tf32_input: bool, tf32_output: bool, cos: Tensor | None = None, sin: Tensor | None = None,
+            rope_half: bool = False, rope_prefix: int = 0) -> Tensor:
+    rope = None if cos is None else (cos, sin)
     return kernels.linear(x, weight, bias, activation=activation, residual=residual, scale=scale,
-                          tf32_input=tf32_input, tf32_output=tf32_output)
+                          tf32_input=tf32_input, tf32_output=tf32_output, rope=rope, rope_half=rope_half,
+                          rope_prefix=rope_prefix)
 
 
 @_linear.register_fake
-def _(x, weight, bias, activation, residual, scale, tf32_input, tf32_output):
+def _(x, weight, bias, activation, residual, scale, tf32_input, tf32_output, cos=None, sin=None, rope_half=False,
+      rope_prefix=0):
     # swiglu: weight holds a gate's and a value's rows, two for each column of y
     return x.new_empty((x.shape[0], weight.shape[0] // 2 if activation == "swiglu" else weight.shape[0]))
 
@@ -72,16 +76,13 @@ def _(x, parts, weight, bias, eps, tf32_output, rms=False):
 
 
 @torch.library.custom_op("vit_triton::fused_attention", mutates_args=())
-def _fused_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None, tf32_input: bool, tf32_output: bool,
-                     cos: Tensor | None = None, sin: Tensor | None = None, rope_half: bool = False,
-                     rope_prefix: int = 0) -> Tensor:
-    rope = None if cos is None else (cos, sin)
-    return kernels.fused_attention(q, k, v, scale=scale, tf32_input=tf32_input, tf32_output=tf32_output, rope=rope,
-                                   rope_half=rope_half, rope_prefix=rope_prefix)
+def _fused_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None, tf32_input: bool,
+                     tf32_output: bool) -> Tensor:
+    return kernels.fused_attention(q, k, v, scale=scale, tf32_input=tf32_input, tf32_output=tf32_output)
 
 
 @_fused_attention.register_fake
-def _(q, k, v, scale, tf32_input, tf32_output, cos=None, sin=None, rope_half=False, rope_prefix=0):
+def _(q, k, v, scale, tf32_input, tf32_output):
     # [B, Tq, H, Dh] contiguous, whatever q's strides (a query expanded over the batch has batch stride 0)
     return q.new_empty(q.shape)
 
@@ -112,13 +113,18 @@ def _(x, start):
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, activation: str = "none",
            residual: Tensor | None = None, scale: float = 1.0, tf32_input: bool = False,
-           tf32_output: bool = False) -> Tensor:
+           tf32_output: bool = False, rope: tuple[Tensor, Tensor] | None = None, rope_half: bool = False,
+           rope_prefix: int = 0) -> Tensor:
     """kernels.linear: scale * (activation(x @ weight.T + bias) + residual); with "swiglu", weight [2N, K] holds
-    the gate's and the value's rows interleaved and y is [M, N]."""
+    the gate's and the value's rows interleaved and y is [M, N]; with rope = (cos, sin), a QKV projection whose q
+    and k are rotated from token rope_prefix on."""
     if torch.compiler.is_compiling():
-        return _linear(x, weight, bias, activation, residual, scale, tf32_input, tf32_output)
+        cos, sin = (None, None) if rope is None else rope
+        return _linear(x, weight, bias, activation, residual, scale, tf32_input, tf32_output, cos, sin, rope_half,
+                       rope_prefix)
     return kernels.linear(x, weight, bias, activation=activation, residual=residual, scale=scale,
-                          tf32_input=tf32_input, tf32_output=tf32_output)
+                          tf32_input=tf32_input, tf32_output=tf32_output, rope=rope, rope_half=rope_half,
+                          rope_prefix=rope_prefix)
 
 
 def layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float, *, rms: bool = False,
@@ -145,15 +151,11 @@ def add_layer_norm(x: Tensor, parts: Tensor, weight: Tensor, bias: Tensor | None
 
 
 def fused_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None, tf32_input: bool = False,
-                    tf32_output: bool = False, rope: tuple[Tensor, Tensor] | None = None, rope_half: bool = False,
-                    rope_prefix: int = 0) -> Tensor:
-    """kernels.fused_attention: softmax(q k^T * scale) v for q [B, Tq, H, Dh] and k, v [B, Tk, H, Dh], q and k
-    rotated by rope = (cos, sin) from token rope_prefix on if given."""
+                    tf32_output: bool = False) -> Tensor:
+    """kernels.fused_attention: softmax(q k^T * scale) v for q [B, Tq, H, Dh] and k, v [B, Tk, H, Dh]."""
     if torch.compiler.is_compiling():
-        cos, sin = (None, None) if rope is None else rope
-        return _fused_attention(q, k, v, scale, tf32_input, tf32_output, cos, sin, rope_half, rope_prefix)
-    return kernels.fused_attention(q, k, v, scale=scale, tf32_input=tf32_input, tf32_output=tf32_output, rope=rope,
-                                   rope_half=rope_half, rope_prefix=rope_prefix)
+        return _fused_attention(q, k, v, scale, tf32_input, tf32_output)
+    return kernels.fused_attention(q, k, v, scale=scale, tf32_input=tf32_input, tf32_output=tf32_output)
 
 
 def patch_embed(pixels: Tensor, weight: Tensor, bias: Tensor | None = None, pos_embed: Tensor | None = None,

@@ -1,19 +1,14 @@
 """fused_attention against F.scaled_dot_product_attention, on the strided q/k/v the model passes."""
 
 import importlib
-import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.kernels.checks import (
-    assert_written_in_place, check, each_dtype, empty, nan_filled, rand, raises_value_error, tf32_emulated,
-    tf32_matmuls,
-)
-from tests.numerics import DEVICE, DTYPES
+from tests.kernels.checks import assert_written_in_place, check, each_dtype, empty, nan_filled, rand, raises_value_error
+from tests.numerics import DTYPES
 from vit_triton.kernels import fused_attention
-from vit_triton.model.reference import rope_reference
 
 ATTENTION = importlib.import_module("vit_triton.kernels.attention")   # the module; the package exports the function
 
@@ -216,71 +211,3 @@ def test_bad_input(change, message):
     args = dict(zip("qkv", qkv(2, 5, 2, 32, torch.float32)), out=None, scale=None) | change
     with raises_value_error(message):
         fused_attention(args["q"], args["k"], args["v"], out=args["out"], scale=args["scale"])
-
-
-# Rotary position embeddings: interleaved pairs and rotate_half, with 0, 1 (class token) and 5 (class + 4 registers)
-# prefix tokens left unrotated, at head dims 64, 72 (36 pairs a half) and 80. Each (half, prefix, head dim) once;
-# along i + j the dtype cycles through three, the tokens through 20 (1 + 4 + 15) and 37, and tables are shared by
-# the heads or one a head; every case on both paths.
-ROPE_PREFIXES = [0, 1, 5]
-ROPE_HEAD_DIMS = [64, 72, 80]
-ROPE_CASES = [
-    (half, prefix, d, (20, 37)[(i + j + half) % 2], DTYPES[(i + j + 2 * half) % 3], (i + half) % 2 == 1, path)
-    for half in (False, True) for i, prefix in enumerate(ROPE_PREFIXES) for j, d in enumerate(ROPE_HEAD_DIMS)
-    for path in ("streaming", "one pass")]
-
-
-def rope_tables(tokens, head_dim, heads=None):
-    """cos, sin [T, Dh] (or [H, T, Dh]) of random angles, each channel its own: the kernel's rotation, channel by
-    channel, does not rely on a pair sharing its angle."""
-    angles = torch.rand(*((heads,) if heads else ()), tokens, head_dim, device=DEVICE) * 2 * math.pi
-    return angles.cos(), angles.sin()
-
-
-def torch_rope_attention(half, prefix):
-    """rope_reference on q and k, then SDPA."""
-    def fn(q, k, v, cos, sin):
-        q, k = (rope_reference(t, cos, sin, half, prefix) for t in (q, k))
-        return torch_attention()(q, k, v)
-    return fn
-
-
-@pytest.mark.parametrize("half, prefix, head_dim, tokens, dtype, per_head, path", ROPE_CASES,
-                         ids=[f"{'half' if h else 'interleaved'}-prefix{p}-Dh{d}-T{t}-{str(dt)[6:]}"
-                              f"{'-per-head' if ph else ''}-{path}" for h, p, d, t, dt, ph, path in ROPE_CASES])
-def test_rope(half, prefix, head_dim, tokens, dtype, per_head, path, monkeypatch):
-    use_path(monkeypatch, path)
-    q, k, v = qkv(2, tokens, 2, head_dim, dtype)
-    cos, sin = rope_tables(tokens - prefix, head_dim, 2 if per_head else None)
-    out = fused_attention(q, k, v, rope=(cos, sin), rope_half=half, rope_prefix=prefix)
-    check(out, torch_rope_attention(half, prefix), q, k, v, cos, sin)
-
-
-@pytest.mark.usefixtures("path")
-def test_rope_tf32_input_still_rounds_the_rotated_q_and_k(one_config):
-    # Rotated, q and k no longer hold tf32 values: the kernel rounds them for the product whatever tf32_input says.
-    q, k, v = (tf32_emulated(t) for t in qkv(2, 20, 2, 64, torch.float32))
-    rope = rope_tables(19, 64)
-    with tf32_matmuls():
-        assert torch.equal(fused_attention(q, k, v, rope=rope, rope_prefix=1, tf32_input=True),
-                           fused_attention(q, k, v, rope=rope, rope_prefix=1))
-
-
-@pytest.mark.parametrize("change, message", [
-    (dict(q=empty(2, 4, 2, 32)), "rope needs as many queries as keys, got 4 queries and 5 keys"),
-    (dict(q=empty(2, 5, 2, 34)[..., :33], k=empty(2, 5, 2, 34)[..., :33], v=empty(2, 5, 2, 33)),
-     "rope needs an even head dim, got 33"),
-    (dict(prefix=6), "rope_prefix must be between 0 and 5 (the tokens), got 6"),
-    (dict(prefix=-1), "rope_prefix must be between 0 and 5 (the tokens), got -1"),
-    (dict(cos=empty(5, 32)),
-     "rope cos must have shape (4, 32) or (2, 4, 32) ([(H,) Tk - rope_prefix, Dh]), got (5, 32)"),
-    (dict(sin=empty(3, 4, 32)),
-     "rope sin must have shape (4, 32) or (2, 4, 32) ([(H,) Tk - rope_prefix, Dh]), got (3, 4, 32)"),
-    (dict(sin=empty(4, 32, dtype=torch.bfloat16)), "rope sin must be torch.float32, got torch.bfloat16"),
-    (dict(cos=empty(32, 4).t()), "rope cos must be contiguous, got strides (1, 4)"),
-    (dict(cos=empty(2, 4, 32)), "rope cos and sin must have one shape, got (2, 4, 32) and (4, 32)"),
-])
-def test_bad_rope(change, message):
-    args = dict(zip("qkv", qkv(2, 5, 2, 32, torch.float32)), cos=empty(4, 32), sin=empty(4, 32), prefix=1) | change
-    with raises_value_error(message):
-        fused_attention(args["q"], args["k"], args["v"], rope=(args["cos"], args["sin"]), rope_prefix=args["prefix"])

@@ -5,6 +5,7 @@ wave's rows launched apart)."""
 
 import importlib
 import itertools
+import math
 import threading
 from functools import partial
 
@@ -16,7 +17,7 @@ from tests.kernels.checks import (
     TF32_WEIGHT_PATHS, assert_like_torch, assert_written_in_place, check, each_dtype, empty, inference, nan_filled, rand,
     raises_value_error, reference, tf32_emulated, tf32_matmuls,
 )
-from tests.numerics import DEVICE, assert_close
+from tests.numerics import DEVICE, DTYPES, assert_close
 from vit_triton.kernels import ACTIVATIONS, linear, linear_partials, split_k
 from vit_triton.kernels import activation as ACTIVATION
 from vit_triton.kernels import tf32 as TF32
@@ -27,6 +28,7 @@ from vit_triton.kernels.linear import (
     SPLIT_PROGRAMS, SPLIT_TILE, TINY_M, whole_wave_rows,
 )
 from vit_triton.kernels.tf32 import TF32_WEIGHT_ROWS
+from vit_triton.model.reference import rope_reference
 
 LINEAR = importlib.import_module("vit_triton.kernels.linear")   # the module; the package exports the function
 
@@ -293,6 +295,96 @@ def test_bad_input(change, message):
     args = dict(zip("xwbr", inputs(5, 6, 8, torch.float32)), act="none", out=None) | change
     with raises_value_error(message):
         linear(args["x"], args["w"], args["b"], activation=args["act"], residual=args["r"], out=args["out"])
+
+
+# Rotary embeddings in a QKV projection's epilogue: interleaved pairs and rotate_half, with 0, 1 (class token) and 5
+# (class + 4 registers) tokens left unrotated, head dims 16 (half: tiles hold two heads), 32 and 64 (half: the tile
+# widened to the head), tables shared or one a head; 2 images of 20 or 37 tokens; each case through both kernels.
+ROPE_CASES = [
+    (half, prefix, d, (20, 37)[(i + j + half) % 2], DTYPES[(i + j + 2 * half) % 3], (i + half) % 2 == 1, kernel)
+    for half in (False, True) for i, prefix in enumerate((0, 1, 5)) for j, d in enumerate((16, 32, 64))
+    for kernel in ("plain", "tma") if (i + j) % 2 == (kernel == "tma") or d == 64]
+
+
+def rope_tables(tokens, head_dim, heads=None):
+    """cos, sin [T, Dh] (or [H, T, Dh]) of random angles, each channel its own: the rotation reads the table at a
+    pair's first channel only, as the tables' layout repeats it there (linear's docstring)."""
+    angles = torch.rand(*((heads,) if heads else ()), tokens, head_dim, device=DEVICE) * 2 * math.pi
+    return angles.cos(), angles.sin()
+
+
+def torch_rope_linear(tokens, heads, half, prefix):
+    """F.linear rounded to the inputs' dtype, then rope_reference on q and k, with the tables read at each pair's
+    first channel."""
+    def fn(x, w, b, cos, sin):
+        y = F.linear(x, w, b).view(-1, tokens, 3, heads, w.shape[0] // 3 // heads)
+        d = torch.arange(cos.shape[-1])
+        first = d % (len(d) // 2) if half else d // 2 * 2
+        cos, sin = cos[..., first], sin[..., first]
+        q, k = (rope_reference(y[:, :, i], cos, sin, half, prefix) for i in (0, 1))
+        return torch.stack([q, k, y[:, :, 2]], 2).flatten(0, 1).flatten(1)
+    return fn
+
+
+@pytest.mark.parametrize("half, prefix, head_dim, tokens, dtype, per_head, kernel", ROPE_CASES,
+                         ids=[f"{'half' if h else 'interleaved'}-prefix{p}-Dh{d}-T{t}-{str(dt)[6:]}"
+                              f"{'-per-head' if ph else ''}-{k}" for h, p, d, t, dt, ph, k in ROPE_CASES])
+def test_rope(half, prefix, head_dim, tokens, dtype, per_head, kernel, ran):
+    heads = 2
+    x, w, b, _ = inputs(2 * tokens, 3 * heads * head_dim, 53, dtype, residual=False, kernel=kernel)
+    out = output(2 * tokens, 3 * heads * head_dim, dtype, kernel)
+    cos, sin = rope_tables(tokens - prefix, head_dim, heads if per_head else None)
+    y = linear(x, w, b, rope=(cos, sin), rope_half=half, rope_prefix=prefix, out=out)
+    check(y, torch_rope_linear(tokens, heads, half, prefix), x, w, b, cos, sin)
+    assert set(ran) == {KERNEL_NAMES[kernel]}
+
+
+@pytest.mark.parametrize("half", [False, True], ids=["interleaved", "half"])
+def test_rope_across_a_short_last_wave(half, monkeypatch):
+    # 2 images of 35 tokens, 3 column tiles of 32: 9 tiles on 4 programs under the interpreter, so rows 0-63 go in
+    # one launch and rows 64-69 (tokens 29-34 of the second image) in another, which must know where they start.
+    x, w, b, _ = inputs(70, 96, 40, torch.float32, residual=False)
+    cos, sin = rope_tables(34, 16)
+    launches = []
+    launch = LINEAR.launch_linear
+    monkeypatch.setattr(LINEAR, "launch_linear",
+                        lambda config, x, *args: launches.append(x.shape[0]) or launch(config, x, *args))
+    y = linear(x, w, b, rope=(cos, sin), rope_half=half, rope_prefix=1)
+    check(y, torch_rope_linear(35, 2, half, 1), x, w, b, cos, sin)
+    if DEVICE.type == "cpu":
+        assert launches == [64, 6]
+
+
+def test_rope_with_tf32_output_rounds_after_rotating():
+    x, w, b, _ = inputs(40, 96, 64, torch.float32, residual=False)
+    cos, sin = rope_tables(19, 16)
+    with tf32_matmuls():
+        y = linear(x, w, b, rope=(cos, sin), rope_prefix=1, tf32_output=True)
+        assert torch.equal(y, TF32.round_to_tf32(linear(x, w, b, rope=(cos, sin), rope_prefix=1)))
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(act="gelu"), "rope rotates a QKV projection: it takes no activation, residual or scale, got activation "
+                       "'gelu', no residual and scale 1.0"),
+    (dict(r=empty(10, 96)), "got activation 'none', a residual and scale 1.0"),
+    (dict(cos=empty(4, 16)), "rope cos and sin must have one shape [(H,) T - rope_prefix, Dh], got (4, 16) and (4, 32)"),
+    (dict(cos=empty(4, 32, dtype=torch.float16), sin=empty(4, 32, dtype=torch.float16)),
+     "rope cos must be torch.float32, got torch.float16"),
+    (dict(sin=empty(32, 4).t()), "rope sin must be contiguous, got strides (1, 4)"),
+    (dict(cos=empty(4, 30), sin=empty(4, 30)), "rope needs y's 96 columns as [3, H, Dh] (q, k, v) with an even Dh, "
+                                               "cos.shape[-1], and H tables a head if any, got tables of shape (4, 30)"),
+    (dict(cos=empty(3, 4, 16), sin=empty(3, 4, 16)), "got tables of shape (3, 4, 16)"),
+    (dict(cos=empty(4, 48), sin=empty(4, 48), w=empty(144, 8), b=empty(144), half=True),
+     "rope_half needs a head dim that is a power of two up to 128, got 48"),
+    (dict(prefix=2), "rope needs x's 10 rows as [B, T] with T = rope_prefix + cos.shape[-2] = 2 + 4 and "
+                     "rope_prefix >= 0"),
+])
+def test_bad_rope(change, message):
+    args = dict(zip("xwb", inputs(10, 96, 8, torch.float32, residual=False)), act="none", r=None,
+                cos=empty(4, 32), sin=empty(4, 32), half=False, prefix=1) | change
+    with raises_value_error(message):
+        linear(args["x"], args["w"], args["b"], activation=args["act"], residual=args["r"],
+               rope=(args["cos"], args["sin"]), rope_half=args["half"], rope_prefix=args["prefix"])
 
 
 PARTIAL_SHAPES = [(1, 7, 3, 1), (37, 45, 100, 2), (197, 96, 384, 3), (70, 33, 257, 4), (29, 40, 33, 4)]

@@ -23,14 +23,6 @@ dependent chain (scores, max, exponentials, P V) instead of one a key block wins
 
 Cost: 4*B*H*Tq*Tk*Dh FLOPs (two GEMMs) + B*H*Tq*Tk exponentials; at least 2*B*(Tq + Tk)*H*Dh elements
 moved (q, k, v read, o written; a query expanded over the batch is read once).
-
-Rotary position embeddings (rope=(cos, sin), EVA02, RoPE ViTs, DINOv3): q is rotated once a program as it is
-loaded, and each K tile every time it is loaded, in fp32 and rounded back to the inputs' dtype before the
-product; V never. A rotated tile costs a second load of the same rows with the partner channels' offsets (the
-same cache lines), one load each of cos and sin, and about 3 FLOPs an element (x cos + (+-partner) sin). Every query
-block of a head rotates all of its keys again: (q_blocks + 1)*B*H*Tk*Dh rotations, about 3 FLOPs each. The
-tables add 2*T_rot*Dh float32 values (a head each: H times that) to the bytes moved; prefix tokens read none.
-Without rope the kernel is compiled as before (ROPE is a constexpr).
 """
 
 from __future__ import annotations
@@ -54,41 +46,13 @@ ONE_PASS_BLOCK_M, ONE_PASS_WARPS = (32, 4) if INTERPRET else (64, 4)
 
 
 @triton.jit
-def _load_tile(base, tokens, stride_t, dims, mask, cos_ptr, sin_ptr, rope_prefix, HEAD_DIM: tl.constexpr,
-               ROPE: tl.constexpr, ROPE_HALF: tl.constexpr):
-    """x[tokens, dims] (index tensors that broadcast to the tile: q's tokens along rows, k's along columns),
-    0 where mask fails. With ROPE, the tokens from rope_prefix on are rotated in fp32 and rounded back to x's
-    dtype: x[t, d] cos[t', d] + sign(d) x[t, partner(d)] sin[t', d], t' = t - rope_prefix, partner and sign as
-    fused_attention's docstring gives them; a second load reads the partner channels."""
-    x = tl.load(base + tokens * stride_t + dims, mask=mask, other=0.0)
-    if ROPE:
-        if ROPE_HALF:
-            first = dims < HEAD_DIM // 2
-            partner = tl.where(first, dims + HEAD_DIM // 2, dims - HEAD_DIM // 2)
-        else:
-            first = dims % 2 == 0
-            partner = dims ^ 1
-        y = tl.load(base + tokens * stride_t + partner, mask=mask, other=0.0).to(tl.float32)
-        # Prefix tokens (and padding) read cos 1 and sin 0: x * 1 + y * 0 is x, exactly.
-        rotated = mask & (tokens >= rope_prefix)
-        table = (tokens - rope_prefix) * HEAD_DIM + dims
-        cos = tl.load(cos_ptr + table, mask=rotated, other=1.0)
-        sin = tl.load(sin_ptr + table, mask=rotated, other=0.0)
-        x = cast(x.to(tl.float32) * cos + tl.where(first, -y, y) * sin, x.dtype)
-    return x
-
-
-@triton.jit
-def _scores(q, k_base, start, T, sk_t, offs_d, mask_d, cos_ptr, sin_ptr, rope_prefix,
-            INPUT_PRECISION: tl.constexpr, QKV_TF32: tl.constexpr, BLOCK: tl.constexpr, MASKED: tl.constexpr,
-            HEAD_DIM: tl.constexpr, ROPE: tl.constexpr, ROPE_HALF: tl.constexpr):
-    """q k^T for keys start .. start + BLOCK, -inf past T if MASKED; each k tile rotated as loaded if ROPE."""
+def _scores(q, k_base, start, T, sk_t, offs_d, mask_d, INPUT_PRECISION: tl.constexpr, QKV_TF32: tl.constexpr,
+            BLOCK: tl.constexpr, MASKED: tl.constexpr):
+    """q k^T for keys start .. start + BLOCK, -inf past T if MASKED."""
     offs_n = start + tl.arange(0, BLOCK)
     k_mask = (offs_n < T)[None, :] & mask_d[:, None] if MASKED else mask_d[:, None]
-    k = _load_tile(k_base, offs_n[None, :], sk_t, offs_d[:, None], k_mask, cos_ptr, sin_ptr, rope_prefix, HEAD_DIM,
-                   ROPE, ROPE_HALF)
-    tf32 = QKV_TF32 and not ROPE   # rotated, q and k no longer hold tf32 values
-    s = mma(q, k, tl.zeros((q.shape[0], BLOCK), dtype=tl.float32), INPUT_PRECISION, tf32, tf32)
+    k = tl.load(k_base + offs_n[None, :] * sk_t + offs_d[:, None], mask=k_mask, other=0.0)
+    s = mma(q, k, tl.zeros((q.shape[0], BLOCK), dtype=tl.float32), INPUT_PRECISION, QKV_TF32, QKV_TF32)
     if MASKED:
         s = tl.where((offs_n < T)[None, :], s, float("-inf"))
     return s
@@ -105,12 +69,10 @@ def _add_pv(acc, p, v_base, start, T, sv_t, offs_d, mask_d, INPUT_PRECISION: tl.
 
 
 @triton.jit
-def _attend(acc, m_i, l_i, q, k_base, v_base, start, T, sk_t, sv_t, qk_scale, offs_d, mask_d, cos_ptr, sin_ptr,
-            rope_prefix, INPUT_PRECISION: tl.constexpr, QKV_TF32: tl.constexpr, BLOCK: tl.constexpr,
-            MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, ROPE: tl.constexpr, ROPE_HALF: tl.constexpr):
+def _attend(acc, m_i, l_i, q, k_base, v_base, start, T, sk_t, sv_t, qk_scale, offs_d, mask_d,
+            INPUT_PRECISION: tl.constexpr, QKV_TF32: tl.constexpr, BLOCK: tl.constexpr, MASKED: tl.constexpr):
     """One step of the online softmax over keys start .. start + BLOCK (masked past T if MASKED)."""
-    s = _scores(q, k_base, start, T, sk_t, offs_d, mask_d, cos_ptr, sin_ptr, rope_prefix, INPUT_PRECISION,
-                QKV_TF32, BLOCK, MASKED, HEAD_DIM, ROPE, ROPE_HALF)
+    s = _scores(q, k_base, start, T, sk_t, offs_d, mask_d, INPUT_PRECISION, QKV_TF32, BLOCK, MASKED)
     # The scale (> 0) is applied to the row max, and to each score inside the exponent's FMA.
     m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
     p = exp2(s * qk_scale - m_new[:, None])
@@ -122,22 +84,18 @@ def _attend(acc, m_i, l_i, q, k_base, v_base, start, T, sk_t, sv_t, qk_scale, of
 
 
 @triton.jit
-def _attend_once(q, k_base, v_base, T, sk_t, sv_t, qk_scale, offs_d, mask_d, acc, cos_ptr, sin_ptr, rope_prefix,
+def _attend_once(q, k_base, v_base, T, sk_t, sv_t, qk_scale, offs_d, mask_d, acc,
                  INPUT_PRECISION: tl.constexpr, QKV_TF32: tl.constexpr,
-                 KEYS0: tl.constexpr, KEYS1: tl.constexpr, KEYS2: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, ROPE: tl.constexpr, ROPE_HALF: tl.constexpr):
+                 KEYS0: tl.constexpr, KEYS1: tl.constexpr, KEYS2: tl.constexpr):
     """The one-pass softmax over all T keys, in pieces KEYS0 >= KEYS1 >= KEYS2 (0: absent; the last
     present one is masked past T). Returns the unnormalised P V and the row sums of P."""
-    s0 = _scores(q, k_base, 0, T, sk_t, offs_d, mask_d, cos_ptr, sin_ptr, rope_prefix, INPUT_PRECISION,
-                 QKV_TF32, KEYS0, KEYS1 == 0, HEAD_DIM, ROPE, ROPE_HALF)
+    s0 = _scores(q, k_base, 0, T, sk_t, offs_d, mask_d, INPUT_PRECISION, QKV_TF32, KEYS0, KEYS1 == 0)
     m = tl.max(s0, axis=1)
     if KEYS1 > 0:
-        s1 = _scores(q, k_base, KEYS0, T, sk_t, offs_d, mask_d, cos_ptr, sin_ptr, rope_prefix, INPUT_PRECISION,
-                     QKV_TF32, KEYS1, KEYS2 == 0, HEAD_DIM, ROPE, ROPE_HALF)
+        s1 = _scores(q, k_base, KEYS0, T, sk_t, offs_d, mask_d, INPUT_PRECISION, QKV_TF32, KEYS1, KEYS2 == 0)
         m = tl.maximum(m, tl.max(s1, axis=1))
     if KEYS2 > 0:
-        s2 = _scores(q, k_base, KEYS0 + KEYS1, T, sk_t, offs_d, mask_d, cos_ptr, sin_ptr, rope_prefix,
-                     INPUT_PRECISION, QKV_TF32, KEYS2, True, HEAD_DIM, ROPE, ROPE_HALF)
+        s2 = _scores(q, k_base, KEYS0 + KEYS1, T, sk_t, offs_d, mask_d, INPUT_PRECISION, QKV_TF32, KEYS2, True)
         m = tl.maximum(m, tl.max(s2, axis=1))
     m = m * qk_scale   # the scale (> 0) is applied to the row max, and to each score inside the exponent's FMA
     p = exp2(s0 * qk_scale - m[:, None])
@@ -163,23 +121,18 @@ def _attend_once(q, k_base, v_base, T, sk_t, sv_t, qk_scale, offs_d, mask_d, acc
             triton.Config({"BLOCK_M": 128, "BLOCK_N": 32}, num_warps=4, num_stages=3),
             triton.Config({"BLOCK_M": 128, "BLOCK_N": 32}, num_warps=4, num_stages=4),
             triton.Config({"BLOCK_M": 64, "BLOCK_N": 128}, num_warps=4, num_stages=2),
-            # float32 with RoPE and Dh > 64: each key block also stages its partner and cos, sin tiles in fp32,
-            # which only this one fits in 227 KB of shared memory (128 KB; the others take 240-448 KB)
-            triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=2),
         ],
         triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=4, num_stages=1),
     ),
-    key=["T_Q", "T_K", "HEAD_DIM", "INPUT_PRECISION", "QKV_TF32", "ROPE", "ROPE_HALF", "batch_heads"],
+    key=["T_Q", "T_K", "HEAD_DIM", "INPUT_PRECISION", "QKV_TF32", "batch_heads"],
 )
 @triton.jit(do_not_specialize=["batch_heads"])
 def _attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr,
     T_K, H, batch_heads, T_Q, qk_scale,   # keys, queries; batch_heads: B*H rounded up to a power of two, a tuning key
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h,
-    cos_ptr, sin_ptr, s_rope_h, rope_prefix,   # RoPE tables [(H,) T_K - rope_prefix, HEAD_DIM]; head stride 0: shared
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, PDL: tl.constexpr,
     QKV_TF32: tl.constexpr, O_TF32: tl.constexpr,   # q, k, v hold tf32 values already; o stored rounded to tf32
-    ROPE: tl.constexpr, ROPE_HALF: tl.constexpr,    # rotate q, k; pairs (d, d + Dh/2) if ROPE_HALF, else (2i, 2i + 1)
     KEYS0: tl.constexpr, KEYS1: tl.constexpr, KEYS2: tl.constexpr,   # one pass over pieces of keys if KEYS0 > 0
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -196,11 +149,8 @@ def _attention_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
 
-    if ROPE:   # this head's tables (None without ROPE)
-        cos_ptr += h * s_rope_h
-        sin_ptr += h * s_rope_h
-    q = _load_tile(q_ptr + b * sq_b + h * sq_h, offs_m[:, None], sq_t, offs_d[None, :],
-                   (offs_m < T_Q)[:, None] & mask_d[None, :], cos_ptr, sin_ptr, rope_prefix, HEAD_DIM, ROPE, ROPE_HALF)
+    q_ptrs = q_ptr + b * sq_b + h * sq_h + offs_m[:, None] * sq_t + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=(offs_m < T_Q)[:, None] & mask_d[None, :], other=0.0)
     k_base = k_ptr + b * sk_b + h * sk_h
     v_base = v_ptr + b * sv_b + h * sv_h
 
@@ -208,20 +158,18 @@ def _attention_kernel(
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     if KEYS0 > 0:
-        acc, l_i = _attend_once(q, k_base, v_base, T_K, sk_t, sv_t, qk_scale, offs_d, mask_d, acc, cos_ptr, sin_ptr,
-                                rope_prefix, INPUT_PRECISION, QKV_TF32, KEYS0, KEYS1, KEYS2, HEAD_DIM, ROPE, ROPE_HALF)
+        acc, l_i = _attend_once(q, k_base, v_base, T_K, sk_t, sv_t, qk_scale, offs_d, mask_d, acc,
+                                INPUT_PRECISION, QKV_TF32, KEYS0, KEYS1, KEYS2)
     else:
         # Whole key blocks without masks, then the last T_K % BLOCK_N keys in blocks of TAIL_N: at 197
         # tokens, 3 x 64 + 16 keys are multiplied instead of 4 x 64.
         whole = T_K - T_K % BLOCK_N
         for start in range(0, whole, BLOCK_N):
             acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_base, v_base, start, T_K, sk_t, sv_t, qk_scale, offs_d,
-                                    mask_d, cos_ptr, sin_ptr, rope_prefix, INPUT_PRECISION, QKV_TF32, BLOCK_N, False,
-                                    HEAD_DIM, ROPE, ROPE_HALF)
+                                    mask_d, INPUT_PRECISION, QKV_TF32, BLOCK_N, False)
         for start in range(whole, T_K, TAIL_N):
             acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_base, v_base, start, T_K, sk_t, sv_t, qk_scale, offs_d,
-                                    mask_d, cos_ptr, sin_ptr, rope_prefix, INPUT_PRECISION, QKV_TF32, TAIL_N, True,
-                                    HEAD_DIM, ROPE, ROPE_HALF)
+                                    mask_d, INPUT_PRECISION, QKV_TF32, TAIL_N, True)
 
     start_next_kernel(PDL)
     o = acc / l_i[:, None]
@@ -241,29 +189,14 @@ def fused_attention(
     tf32_input: bool = False,
     tf32_output: bool = False,
     out: torch.Tensor | None = None,
-    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-    rope_half: bool = False,
-    rope_prefix: int = 0,
 ) -> torch.Tensor:
     """softmax(q @ k^T * scale) @ v for q [B, Tq, H, Dh] and k, v [B, Tk, H, Dh]; returns [B, Tq, H, Dh]
     contiguous. q may be one query expanded over the batch (batch stride 0).
 
     scale (positive) defaults to Dh ** -0.5. Head dims from 16 to 256 are accepted. tf32_input (q, k and
     v), tf32_output: see tf32.py; they act only where the matmuls run on tf32.
-
-    rope = (cos, sin): rotary position embeddings applied to q and k in the kernel (Tq = Tk and an even Dh),
-    rotating tokens t >= rope_prefix (the class and register tokens before them stay as they are):
-
-        x[t, d] -> x[t, d] cos[t', d] + sign(d) x[t, partner(d)] sin[t', d],   t' = t - rope_prefix
-
-    interleaved pairs (rope_half False): partner(2i) = 2i + 1 with sign -1, partner(2i + 1) = 2i with sign +1;
-    rope_half (rotate_half): partner(d) = d + Dh/2 with sign -1 for d < Dh/2, d - Dh/2 with sign +1 after.
-    cos and sin: float32, contiguous, [Tk - rope_prefix, Dh] for all heads or [H, Tk - rope_prefix, Dh] a head
-    each, cos and sin of each angle in the layout the rotation reads (interleaved: [a0, a0, a1, a1, ...];
-    half: [a0, a1, ..., a0, a1, ...]). The rotation is taken in fp32 and rounded to q's dtype before the
-    product, as libraries round the rotated q and k. rope_half and rope_prefix are ignored without rope.
     """
-    check_device(q, k, v, out, *(rope or ()))
+    check_device(q, k, v, out)
     check_float("q", q)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
@@ -284,7 +217,6 @@ def fused_attention(
     precision = input_precision(q.dtype, allow_tf32)
     if not scale > 0:
         raise ValueError(f"scale must be positive, got {scale}")
-    rope_args = (None, None, 0, 0) if rope is None else check_rope(rope, Tq, Tk, H, Dh, rope_prefix)
 
     # The best tile depends on how many programs fill the GPU (one image: 64-row tiles, every SM
     # busy; 256 images: 128-row tiles, at 0.75x the time of 64-row ones), so the tuner keys on B*H's
@@ -309,37 +241,12 @@ def fused_attention(
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        *rope_args,
         HEAD_DIM=Dh, BLOCK_D=max(16, triton.next_power_of_2(Dh)),
         INPUT_PRECISION=precision, QKV_TF32=precision == "tf32" and tf32_input,
-        ROPE=rope is not None, ROPE_HALF=rope is not None and rope_half,
         O_TF32=precision == "tf32" and tf32_output, **pdl(q.device, B * H * triton.cdiv(Tq, SMALLEST_BLOCK_M)),
         **launch,
     )
     return out
-
-
-def check_rope(rope, Tq: int, Tk: int, H: int, Dh: int, prefix: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """fused_attention's rope = (cos, sin) checked against q [B, Tq, H, Dh] and k [B, Tk, H, Dh]; returns the
-    kernel's arguments: cos, sin, their head stride (0: one table for all heads) and the prefix."""
-    if Tq != Tk:
-        raise ValueError(f"rope needs as many queries as keys, got {Tq} queries and {Tk} keys")
-    if Dh % 2:
-        raise ValueError(f"rope needs an even head dim, got {Dh}")
-    if not 0 <= prefix <= Tk:
-        raise ValueError(f"rope_prefix must be between 0 and {Tk} (the tokens), got {prefix}")
-    cos, sin = rope
-    shapes = (Tk - prefix, Dh), (H, Tk - prefix, Dh)
-    for name, t in (("cos", cos), ("sin", sin)):
-        if tuple(t.shape) not in shapes:
-            raise ValueError(f"rope {name} must have shape {shapes[0]} or {shapes[1]} ([(H,) Tk - rope_prefix, Dh]), "
-                             f"got {tuple(t.shape)}")
-        check_dtype(f"rope {name}", t, torch.float32)
-        if not t.is_contiguous():
-            raise ValueError(f"rope {name} must be contiguous, got strides {t.stride()}")
-    if cos.shape != sin.shape:
-        raise ValueError(f"rope cos and sin must have one shape, got {tuple(cos.shape)} and {tuple(sin.shape)}")
-    return cos, sin, cos.stride(0) if cos.dim() == 3 else 0, prefix
 
 
 def key_pieces(T: int) -> tuple[int, int, int]:

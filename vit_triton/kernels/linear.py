@@ -7,15 +7,24 @@ W [2N, K] and b [2N] whose rows interleave the gate's and the value's (row 2j th
 value's), so that each output tile of the product holds both halves of its columns: the epilogue makes
 y [M, N] = silu(gate) * value from it, and the [M, 2N] product is never stored.
 
+A QKV projection with rotary position embeddings (rope): y's columns are [3, H, Dh] (q, k, v) and its rows [B, T]
+(tokens); the epilogue rotates the q and k columns of the patch tokens (from token rope_prefix on) with the cos and
+sin tables, in fp32, after rounding the product to y's dtype as a library's QKV layer does, so attention reads q and
+k ready. A rotated pair is within one tile: channels (2i, 2i + 1), or (i, i + Dh/2) when the tile's width is a
+multiple of Dh (the launcher widens narrower candidates for such a head dim).
+
 Cost: 2*M*N*K FLOPs; at least (M*K + N*K + M*N [+ M*N residual]) elements moved (+ N bias); with swiglu, N is W's
-rows, 2 * y's width, and y moves M*N/2 elements; split K writes S*M*N fp32 partial sums instead of M*N outputs; a
+rows, 2 * y's width, and y moves M*N/2 elements; rope reads a cos and a sin a rotated pair (fp32,
+2/3 * M*N/2 pairs, from tables of T*Dh values each, a head each for RoPE-mixed: cached in L2) and adds 3 FLOPs an
+element; split K writes S*M*N fp32 partial sums instead of M*N outputs; a
 product launched in two parts of rows reads W twice (+ N*K).
 
 The file, in reading order:
 
-- _tile_coords and _epilogue, shared by both kernels: the grouped order of output tiles, and what a finished fp32
-  tile goes through before its one store (bias, then the activation of activation.py, then the residual add,
-  then the scale, so no elementwise kernel follows the GEMM). swiglu's activation halves the tile's width.
+- _tile_coords, _rotate and _epilogue, shared by both kernels: the grouped order of output tiles, the rotary
+  embedding of a QKV tile, and what a finished fp32 tile goes through before its one store (bias, then the
+  rotation or the activation of activation.py, then the residual add, then the scale, so no elementwise kernel
+  follows the GEMM). swiglu's activation halves the tile's width.
 - _linear_plain_kernel, the kernel to read first (Triton's matrix-multiplication tutorial): masked pointer loads,
   one program per output tile and K slice. It runs where a matrix is not 16-byte aligned (common.tma_ready), and
   its candidate configs follow it.
@@ -40,6 +49,7 @@ rounded is taken as it is (X_TF32), and y is stored rounded for a consumer that 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import triton
@@ -67,18 +77,57 @@ def _tile_coords(tile, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _rotate(x, m0, n0, M, cos_ptr, sin_ptr, s_head, tokens, prefix, heads, row0, HEAD_DIM: tl.constexpr,
+            ROPE_HALF: tl.constexpr):
+    """The QKV tile x [BM, BN] at (m0, n0) (columns [3, H, HEAD_DIM]) with its q and k channels of the rotated
+    tokens turned by their angles: a' = a cos - b sin, b' = b cos + a sin for each pair (a, b) of channels, (2i,
+    2i + 1), or (i, i + HEAD_DIM / 2) if ROPE_HALF (the tile's width then a multiple of HEAD_DIM). Row r is token
+    (row0 + r) % tokens, rotated from token `prefix` on with table row token - prefix of its head's tables (head
+    stride s_head, 0: shared); the tables' entry of a pair is that of its first channel."""
+    BM: tl.constexpr = x.shape[0]
+    PAIRS: tl.constexpr = x.shape[1] // 2
+    HALF: tl.constexpr = HEAD_DIM // 2
+    pair = tl.arange(0, PAIRS)
+    if ROPE_HALF:   # [BM, BN / Dh, 2, Dh / 2] -> the two halves of each head, as [BM, BN / 2] each
+        a, b = tl.split(tl.permute(tl.reshape(x, [BM, PAIRS // HALF, 2, HALF]), (0, 1, 3, 2)))
+        a, b = tl.reshape(a, [BM, PAIRS]), tl.reshape(b, [BM, PAIRS])
+        first = n0 + pair // HALF * HEAD_DIM + pair % HALF
+    else:
+        a, b = tl.split(tl.reshape(x, [BM, PAIRS, 2]))
+        first = n0 + 2 * pair
+    offs_m = m0 + tl.arange(0, BM)
+    token = (row0 + offs_m) % tokens - prefix
+    mask = ((offs_m < M) & (token >= 0))[:, None] & (first < 2 * heads * HEAD_DIM)[None, :]   # q and k only
+    table = (first // HEAD_DIM % heads * s_head + first % HEAD_DIM)[None, :] + token[:, None] * HEAD_DIM
+    cos = tl.load(cos_ptr + table, mask=mask, other=1.0)
+    sin = tl.load(sin_ptr + table, mask=mask, other=0.0)
+    a, b = tl.where(mask, a * cos - b * sin, a), tl.where(mask, b * cos + a * sin, b)
+    if ROPE_HALF:
+        pairs = tl.join(tl.reshape(a, [BM, PAIRS // HALF, HALF]), tl.reshape(b, [BM, PAIRS // HALF, HALF]))
+        return tl.reshape(tl.permute(pairs, (0, 1, 3, 2)), [BM, 2 * PAIRS])
+    return tl.reshape(tl.join(a, b), [BM, 2 * PAIRS])
+
+
+@triton.jit
 def _epilogue(acc, m0, n0, split, M, N, b_ptr, r, y, stride_rm, stride_ym, scale,
+              cos_ptr, sin_ptr, s_rope_h, rope_tokens, rope_prefix, rope_heads, rope_row0,
               HAS_BIAS: tl.constexpr, ACT: tl.constexpr, GELU_FIT_DEGREE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-              HAS_SCALE: tl.constexpr, Y_TF32: tl.constexpr, R_TMA: tl.constexpr, Y_TMA: tl.constexpr):
-    """Bias, activation, residual, scale (and tf32 rounding, Y_TF32) on the fp32 tile acc of the product at
-    (m0, n0) (N: W's rows), then its one store. The residual and y go through TMA descriptors where R_TMA, Y_TMA
-    (clipped to y's shape), else through pointers; slice `split` of split K's partial sums is rows split*M... of y
-    viewed as [SPLIT_K*M, N]. "swiglu" halves the tile: its y tile is at (m0, n0 / 2), of y [M, N / 2]."""
+              HAS_SCALE: tl.constexpr, Y_TF32: tl.constexpr, R_TMA: tl.constexpr, Y_TMA: tl.constexpr,
+              ROPE: tl.constexpr, ROPE_HALF: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Bias, activation or rotation (ROPE: _rotate, on the product rounded to y's dtype as a library's QKV layer
+    gives it), residual, scale (and tf32 rounding, Y_TF32) on the fp32 tile acc of the product at (m0, n0) (N: W's
+    rows), then its one store. The residual and y go through TMA descriptors where R_TMA, Y_TMA (clipped to y's
+    shape), else through pointers; slice `split` of split K's partial sums is rows split*M... of y viewed as
+    [SPLIT_K*M, N]. "swiglu" halves the tile: its y tile is at (m0, n0 / 2), of y [M, N / 2]."""
     offs_n = n0 + tl.arange(0, acc.shape[1])
     if HAS_BIAS:  # once: slice 0 adds it. tl.where, not `mask_n & (split == 0)`: Triton 3.9's interpreter
         # broadcasts a scalar comparison as int32, which a mask refuses (and 3.6's cannot branch on one).
         first = tl.where(split == 0, offs_n < N, False)
         acc += tl.load(b_ptr + offs_n, mask=first, other=0.0).to(tl.float32)[None, :]
+    if ROPE:
+        y_dtype: tl.constexpr = y.dtype if Y_TMA else y.dtype.element_ty
+        acc = _rotate(cast(acc, y_dtype).to(tl.float32), m0, n0, M, cos_ptr, sin_ptr, s_rope_h, rope_tokens,
+                      rope_prefix, rope_heads, rope_row0, HEAD_DIM, ROPE_HALF)
     acc = apply_activation(acc, ACT, GELU_FIT_DEGREE)
     if ACT == "swiglu":   # a gate and a value column of the product make one column of y
         n0 = n0 // 2
@@ -107,10 +156,12 @@ def _linear_plain_kernel(
     x_ptr, w_ptr, b_ptr, r_ptr, y_ptr,
     M, N, K,
     stride_xm, stride_wn, stride_rm, stride_ym, scale,
+    cos_ptr, sin_ptr, s_rope_h, rope_tokens, rope_prefix, rope_heads, rope_row0,   # _rotate's, with ROPE
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, GELU_FIT_DEGREE: tl.constexpr,   # apply_activation's
     HAS_RESIDUAL: tl.constexpr, HAS_SCALE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, X_TF32: tl.constexpr, W_TF32: tl.constexpr,   # x, W hold tf32 values already
     Y_TF32: tl.constexpr,   # y is stored rounded to tf32
+    ROPE: tl.constexpr, ROPE_HALF: tl.constexpr, HEAD_DIM: tl.constexpr,   # y is a QKV projection to rotate
     PDL: tl.constexpr,
     SPLIT_K: tl.constexpr,   # > 1: y is a pointer to fp32 partial sums [SPLIT_K, M, N], no epilogue but the bias
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -142,7 +193,8 @@ def _linear_plain_kernel(
         offs_k += BLOCK_K
     start_next_kernel(PDL)
     _epilogue(acc, pid_m * BLOCK_M, pid_n * BLOCK_N, split, M, N, b_ptr, r_ptr, y_ptr, stride_rm, stride_ym, scale,
-              HAS_BIAS, ACT, GELU_FIT_DEGREE, HAS_RESIDUAL, HAS_SCALE, Y_TF32, False, False)
+              cos_ptr, sin_ptr, s_rope_h, rope_tokens, rope_prefix, rope_heads, rope_row0,
+              HAS_BIAS, ACT, GELU_FIT_DEGREE, HAS_RESIDUAL, HAS_SCALE, Y_TF32, False, False, ROPE, ROPE_HALF, HEAD_DIM)
 
 
 # The plain kernel's candidates, for the matrices that are not 16-byte aligned: a few general tiles, one program
@@ -170,10 +222,12 @@ def _linear_tma_kernel(
     w_ptr,               # W's first element, for the prefetch
     M, N, K,
     stride_wn, stride_ym, scale,
+    cos_ptr, sin_ptr, s_rope_h, rope_tokens, rope_prefix, rope_heads, rope_row0,   # _rotate's, with ROPE
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, GELU_FIT_DEGREE: tl.constexpr,   # apply_activation's
     HAS_RESIDUAL: tl.constexpr, HAS_SCALE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, X_TF32: tl.constexpr, W_TF32: tl.constexpr,   # x, W hold tf32 values already
     Y_TF32: tl.constexpr,   # y is stored rounded to tf32
+    ROPE: tl.constexpr, ROPE_HALF: tl.constexpr, HEAD_DIM: tl.constexpr,   # y is a QKV projection to rotate
     PDL: tl.constexpr, PREFETCH: tl.constexpr,
     SPLIT_K: tl.constexpr,   # > 1: y is a pointer to fp32 partial sums [SPLIT_K, M, N], no epilogue but the bias
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -228,7 +282,9 @@ def _linear_tma_kernel(
         if item + tl.num_programs(0) >= num_tiles * SPLIT_K:  # this program's last tile
             start_next_kernel(PDL)
         _epilogue(acc, m0, n0, split, M, N, b_ptr, r_desc, y, 0, stride_ym, scale,
-                  HAS_BIAS, ACT, GELU_FIT_DEGREE, HAS_RESIDUAL, HAS_SCALE, Y_TF32, True, Y_TMA)
+                  cos_ptr, sin_ptr, s_rope_h, rope_tokens, rope_prefix, rope_heads, rope_row0,
+                  HAS_BIAS, ACT, GELU_FIT_DEGREE, HAS_RESIDUAL, HAS_SCALE, Y_TF32, True, Y_TMA, ROPE, ROPE_HALF,
+                  HEAD_DIM)
 
 
 # 128 x 256 tiles in 4 stages of 32-deep steps: the residual GEMMs' pick before their y went through
@@ -315,6 +371,9 @@ def linear(
     tf32_input: bool = False,
     tf32_output: bool = False,
     out: torch.Tensor | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    rope_half: bool = False,
+    rope_prefix: int = 0,
 ) -> torch.Tensor:
     """y = scale * (activation(x @ weight.T + bias) + residual) for 2-D x [M, K] and weight [N, K].
 
@@ -325,10 +384,22 @@ def linear(
     allow_tf32: for float32 inputs; None follows torch.get_float32_matmul_precision().
     tf32_input, tf32_output: see tf32.py; they act only where the matmuls run on tf32.
     out must not alias x or residual.
+
+    rope = (cos, sin): y = x @ weight.T + bias is a QKV projection, rows [B, T] and columns [3, H, Dh] (q, k, v),
+    whose q and k of tokens t >= rope_prefix (the class and register tokens before them stay as they are) are
+    rotated after y is rounded to its dtype, in fp32:
+
+        y[t, d] -> y[t, d] cos[t', d] + sign(d) y[t, partner(d)] sin[t', d],   t' = t - rope_prefix
+
+    interleaved pairs (rope_half False): partner(2i) = 2i + 1 with sign -1, partner(2i + 1) = 2i with sign +1;
+    rope_half (rotate_half): partner(d) = d + Dh/2 with sign -1 for d < Dh/2, d - Dh/2 with sign +1 after, for a
+    Dh that is a power of two up to ROPE_HALF_MAX_DIM. cos and sin: float32, contiguous, [T - rope_prefix, Dh] for
+    all heads or [H, T - rope_prefix, Dh] a head each, each angle's value at both channels of its pair
+    (interleaved: [a0, a0, a1, a1, ...]; half: [a0, a1, ..., a0, a1, ...]). No activation, residual or scale.
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    weight, bias = _checked(x, weight, bias, residual, out)
+    weight, bias = _checked(x, weight, bias, residual, out, *(rope or ()))
     M, N = x.shape[0], weight.shape[0]
     if activation == "swiglu":
         if N % 2:
@@ -343,13 +414,60 @@ def linear(
                 raise ValueError(f"{name} must have unit stride along N, got strides {t.stride()}")
     if out is None:
         out = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    rotation = NO_ROPE if rope is None else check_rope(rope, M, N, rope_half, rope_prefix, activation, residual,
+                                                         scale)
     weight, precision = _precision(x, weight, allow_tf32, tf32_input)
     flags = dict(HAS_BIAS=bias is not None, ACT=activation, GELU_FIT_DEGREE=gelu_fit_degree(x.dtype, activation),
                  HAS_RESIDUAL=residual is not None,
                  HAS_SCALE=scale != 1.0, **precision, Y_TF32=precision["INPUT_PRECISION"] == "tf32" and tf32_output,
-                 SPLIT_K=1)
-    _tuned_launch(x, weight, bias, residual, out, scale, flags)
+                 ROPE=rope is not None, ROPE_HALF=rope is not None and rope_half,
+                 HEAD_DIM=0 if rope is None else rope[0].shape[-1], SPLIT_K=1)
+    _tuned_launch(x, weight, bias, residual, out, scale, flags, rotation)
     return out
+
+
+class Rope(NamedTuple):
+    """The rotation's launch arguments (_rotate's): the tables, their head stride (0: shared by the heads), the
+    tokens of an image, the unrotated prefix, the heads, and the image row of x's first row."""
+
+    cos: torch.Tensor | None
+    sin: torch.Tensor | None
+    head_stride: int
+    tokens: int
+    prefix: int
+    heads: int
+    row0: int = 0
+
+
+NO_ROPE = Rope(None, None, 0, 1, 0, 1)
+ROPE_HALF_MAX_DIM = 128   # pairs a half apart need a whole head in a tile: tiles at most 256 wide hold one
+
+
+def check_rope(rope, M: int, N: int, half: bool, prefix: int, activation: str, residual, scale: float) -> Rope:
+    """linear's rope = (cos, sin) checked against y [M, N]; returns the kernels' Rope."""
+    if activation != "none" or residual is not None or scale != 1.0:
+        raise ValueError(f"rope rotates a QKV projection: it takes no activation, residual or scale, got activation "
+                         f"{activation!r}, {'a' if residual is not None else 'no'} residual and scale {scale}")
+    cos, sin = rope
+    if cos.dim() not in (2, 3) or cos.shape != sin.shape:
+        raise ValueError(f"rope cos and sin must have one shape [(H,) T - rope_prefix, Dh], got {tuple(cos.shape)} "
+                         f"and {tuple(sin.shape)}")
+    rows, dh = cos.shape[-2:]
+    heads = N // (3 * dh) if dh else 0
+    for name, t in (("cos", cos), ("sin", sin)):
+        check_dtype(f"rope {name}", t, torch.float32)
+        if not t.is_contiguous():
+            raise ValueError(f"rope {name} must be contiguous, got strides {t.stride()}")
+    if dh % 2 or not heads or N != 3 * heads * dh or (cos.dim() == 3 and cos.shape[0] != heads):
+        raise ValueError(f"rope needs y's {N} columns as [3, H, Dh] (q, k, v) with an even Dh, cos.shape[-1], and "
+                         f"H tables a head if any, got tables of shape {tuple(cos.shape)}")
+    if half and (dh & (dh - 1) or dh > ROPE_HALF_MAX_DIM):
+        raise ValueError(f"rope_half needs a head dim that is a power of two up to {ROPE_HALF_MAX_DIM}, got {dh}")
+    tokens = prefix + rows
+    if prefix < 0 or M % tokens:
+        raise ValueError(f"rope needs x's {M} rows as [B, T] with T = rope_prefix + cos.shape[-2] = {prefix} + {rows}"
+                         f" and rope_prefix >= 0")
+    return Rope(cos, sin, cos.stride(0) if cos.dim() == 3 else 0, tokens, prefix, heads)
 
 
 def linear_partials(
@@ -371,7 +489,7 @@ def linear_partials(
     parts = torch.empty((splits * M, N), device=x.device, dtype=torch.float32)   # the slices one above the other
     weight, precision = _precision(x, weight, allow_tf32, tf32_input)
     flags = dict(HAS_BIAS=bias is not None, ACT="none", GELU_FIT_DEGREE=0, HAS_RESIDUAL=False, HAS_SCALE=False,
-                 **precision, Y_TF32=False, SPLIT_K=splits)
+                 **precision, Y_TF32=False, ROPE=False, ROPE_HALF=False, HEAD_DIM=0, SPLIT_K=splits)
     _tuned_launch(x, weight, bias, None, parts, 1.0, flags)
     return parts.view(splits, M, N)
 
@@ -409,7 +527,8 @@ def _precision(x, weight, allow_tf32: bool | None, tf32_input: bool) -> tuple[to
 _TUNER = Tuner("linear", "".join(Path(__file__).with_name(name).read_text() for name in ("linear.py", "activation.py")))
 
 
-def _tuned_launch(x, weight, bias, residual, out, scale: float, flags: dict, split_waves: bool = True) -> None:
+def _tuned_launch(x, weight, bias, residual, out, scale: float, flags: dict, rope: Rope = NO_ROPE,
+                  split_waves: bool = True) -> None:
     """Launches the TMA kernel where every matrix is tma_ready, else the plain one, with the fastest of its
     candidate configs for this shape and these flags. A config whose last wave would leave most SMs idle runs (and
     is timed) as the rows of its whole waves, then the rest with a config tuned for them alone (whole_wave_rows;
@@ -419,25 +538,28 @@ def _tuned_launch(x, weight, bias, residual, out, scale: float, flags: dict, spl
     tma = tma_ready(x, weight, residual, out)   # and so is every range of their rows
 
     def rows_of(part: slice) -> tuple:
-        """The arguments of a launch over these rows of x, residual and out."""
+        """The arguments of a launch over these rows of x, residual and out, but the rotation's."""
         return x[part], weight, bias, None if residual is None else residual[part], out[part], scale, flags
 
     def launch(config: Config) -> None:
         rows = whole_wave_rows(M, N, config, x.device) if split_waves and flags["SPLIT_K"] == 1 else M
         if rows == M:
-            return launch_linear(config, x, weight, bias, residual, out, scale, flags, tma)
-        launch_linear(config, *rows_of(slice(0, rows)), tma)
-        _tuned_launch(*rows_of(slice(rows, None)), split_waves=False)
+            return launch_linear(config, x, weight, bias, residual, out, scale, flags, tma, rope)
+        launch_linear(config, *rows_of(slice(0, rows)), tma, rope)
+        _tuned_launch(*rows_of(slice(rows, None)), rope._replace(row0=rope.row0 + rows), split_waves=False)
 
     key = (M, N, K, str(x.dtype), *flags.values(), tma, split_waves)
-    candidates = _tma_candidates if tma else _plain_candidates
-    launch(_TUNER.pick(key, candidates(M, x.dtype), launch, x.device))
+    candidates = (_tma_candidates if tma else _plain_candidates)(M, x.dtype)
+    if flags["ROPE_HALF"]:   # a tile holds whole heads, so that each channel's partner is in it
+        candidates = list(dict.fromkeys(c._replace(block_n=max(c.block_n, flags["HEAD_DIM"])) for c in candidates))
+    launch(_TUNER.pick(key, candidates, launch, x.device))
 
 
-def launch_linear(config: Config, x, weight, bias, residual, out, scale: float, flags: dict, tma: bool) -> None:
-    """One launch with this config (checked inputs, flags as linear or linear_partials make them): of the TMA
-    kernel where tma (every matrix tma_ready), persistent as config.persistent says, else of the plain kernel,
-    one program per tile and slice whatever config.persistent says."""
+def launch_linear(config: Config, x, weight, bias, residual, out, scale: float, flags: dict, tma: bool,
+                  rope: Rope = NO_ROPE) -> None:
+    """One launch with this config (checked inputs, flags as linear or linear_partials make them, rope as check_rope
+    makes it): of the TMA kernel where tma (every matrix tma_ready), persistent as config.persistent says, else of
+    the plain kernel, one program per tile and slice whatever config.persistent says."""
     M, K = x.shape
     N = weight.shape[0]
     bm, bn, bk, warps, stages, persistent = config
@@ -448,7 +570,7 @@ def launch_linear(config: Config, x, weight, bias, residual, out, scale: float, 
         _linear_plain_kernel[(tiles, splits)](
             x, weight, bias, residual, out, M, N, K,
             x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), scale,
-            **flags, **launch_pdl, **tile,
+            *rope, **flags, **launch_pdl, **tile,
         )
         return
     x_desc = TensorDescriptor.from_tensor(x, [bm, bk])
@@ -460,6 +582,6 @@ def launch_linear(config: Config, x, weight, bias, residual, out, scale: float, 
     items = tiles * splits
     grid = (min(items, sm_count(x.device) * persistent) if persistent else items,)
     _linear_tma_kernel[grid](
-        x_desc, w_desc, bias, r_desc, y, weight, M, N, K, weight.stride(0), out.stride(0), scale,
+        x_desc, w_desc, bias, r_desc, y, weight, M, N, K, weight.stride(0), out.stride(0), scale, *rope,
         **flags, **launch_pdl, PREFETCH=launch_pdl["PDL"] != PDL_OFF, **tile,
     )

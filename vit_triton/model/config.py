@@ -36,10 +36,10 @@ class ViTConfig:
     "mixed" as timm's RotaryEmbeddingMixed (RoPE-ViT mixed): learned frequencies per layer and head, the model's
     rope_freqs; "centered" as timm's RotaryEmbeddingDinoV3: patch centres in [-1, 1], angle 2 pi c / rope_theta^(4k/Dh);
     "centered_inv_freq" as transformers' DINOv3ViT: 2 pi c * (1 / rope_theta^(4k/Dh)), which differs in last bits.
-    rope_half pairs channels a half apart (i, i + Dh/2) instead of (2i, 2i + 1); rope_xy orders the coordinates
-    (column, row) instead of (row, column) (timm's rope_grid_indexing "xy"); rope_offset is added to every index or
-    centre (timm's rope_grid_offset); rope_ref_grid (rows, cols), "axial" only, stretches the positions of any grid
-    onto that one (EVA's ref_feat_shape). rope_cpu computes the tables on the CPU, then moves them, as timm's
+    rope_half pairs channels a half apart (i, i + Dh/2) instead of (2i, 2i + 1), for a head dim that is a power of
+    two up to 128; rope_xy orders the coordinates (column, row) instead of (row, column) (timm's rope_grid_indexing
+    "xy"); rope_offset is added to every index or centre (timm's rope_grid_offset); rope_ref_grid (rows, cols),
+    "axial" only, stretches the positions of any grid onto that one (EVA's ref_feat_shape). rope_cpu computes the tables on the CPU, then moves them, as timm's
     fixed-size models build theirs at creation; else on the device, as with timm's dynamic_img_size and in
     transformers (a GPU's sin and cos differ from the CPU's in last bits).
     abs_pos_embed=False: no absolute position embedding (models with rotary embeddings only). norm: "layernorm" or
@@ -126,6 +126,10 @@ class ViTConfig:
         if self.rope != "none" and (self.head_dim % 4 or self.rope_theta <= 0):
             raise ValueError(f"rope needs a head dim that is a multiple of 4 and rope_theta > 0, got head dim "
                              f"{self.head_dim} and rope_theta {self.rope_theta}")
+        dh = self.head_dim
+        if self.rope != "none" and self.rope_half and (dh & (dh - 1) or dh > 128):
+            # the QKV GEMM rotates a pair within one output tile, which then holds whole heads (kernels.linear)
+            raise ValueError(f"rope_half needs a head dim that is a power of two up to 128, got {dh}")
 
     @property
     def head_dim(self) -> int:

@@ -44,6 +44,10 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(rows, **factory)) if bias else None
         nn.init.trunc_normal_(self.weight, std=0.02)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, scale: float = 1.0,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None, rope_half: bool = False,
+                rope_prefix: int = 0) -> torch.Tensor:
+        """rope, rope_half, rope_prefix: a QKV projection's rotary embedding (ops.linear)."""
         return linear(x, self.weight, self.bias, activation=self.activation, residual=residual, scale=scale,
-                      tf32_input=self.tf32_input, tf32_output=self.tf32_output)
+                      tf32_input=self.tf32_input, tf32_output=self.tf32_output, rope=rope, rope_half=rope_half,
+                      rope_prefix=rope_prefix)

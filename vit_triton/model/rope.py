@@ -1,4 +1,4 @@
-"""Rotary position embeddings: the (cos, sin) tables that fused_attention(rope=...) rotates q and k with, for any
+"""Rotary position embeddings: the (cos, sin) tables that linear(rope=...) rotates q and k with, for any
 patch grid, equal bit for bit to the tables timm and transformers build for the same model.
 
 Each kind (ViTConfig.rope) repeats its library's operations in their order, dtype and device, since any other

@@ -43,7 +43,7 @@ class Block(nn.Module):
     write what only the next matmul reads: with float32 matmuls on tf32 they store it rounded to tf32, so that
     matmul's K loop does not round it. defer_fc2=False: fc2 updates the stream itself (no norm reads it next).
     A gated MLP (act "swiglu") gates in fc1's epilogue; mlp_norm normalises its output before fc2. Rotary
-    embeddings (rope: cos, sin tables) rotate q and k of the patch tokens inside the attention kernel."""
+    embeddings (rope: cos, sin tables) rotate q and k of the patch tokens in the QKV GEMM's epilogue."""
 
     def __init__(self, cfg: ViTConfig, **factory) -> None:
         super().__init__()
@@ -63,9 +63,9 @@ class Block(nn.Module):
     def forward(self, x: ResidualStream, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> ResidualStream:
         batch, tokens, d = x.shape
         # The QKV GEMM's [B*T, 3D] output is read in place as q, k, v [B, T, H, Dh] views.
-        qkv = self.qkv(x.norm(self.norm1)).view(batch, tokens, 3, self.num_heads, d // self.num_heads)
-        attn = fused_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], tf32_input=True, tf32_output=True,
-                               rope=rope, rope_half=self.rope_half, rope_prefix=self.rope_prefix)
+        qkv = self.qkv(x.norm(self.norm1), rope=rope, rope_half=self.rope_half, rope_prefix=self.rope_prefix)
+        qkv = qkv.view(batch, tokens, 3, self.num_heads, d // self.num_heads)
+        attn = fused_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], tf32_input=True, tf32_output=True)
         x = x.add(self.proj, attn.view(batch * tokens, d))
         h = self.fc1(x.norm(self.norm2))
         if self.mlp_norm is not None:
