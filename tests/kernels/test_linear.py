@@ -355,7 +355,7 @@ def test_rope_across_a_short_last_wave(half, monkeypatch):
         assert launches == [64, 6]
 
 
-def test_rope_with_tf32_output_rounds_after_rotating():
+def test_rope_with_tf32_output_rounds_after_rotating(one_config):
     x, w, b, _ = inputs(40, 96, 64, torch.float32, residual=False)
     cos, sin = rope_tables(19, 16)
     with tf32_matmuls():
