@@ -51,7 +51,7 @@ from .common import (
     INTERPRET, cast, check_device, check_dtype, check_float, check_shape, input_precision, mma, sm_count, pdl,
     PDL_OFF, prefetch_l2, start_next_kernel, tma_ready, to_tf32, wait_for_previous_kernel,
 )
-from .tuning import Config, Tuner
+from .tuning import Config, Tuner, size_bucket
 from .tf32 import tf32_weight
 
 
@@ -249,7 +249,9 @@ TINY_M = [    # one or two images: 64-row tiles, narrow enough to give most SMs 
 ]
 FLOAT32 = [Config(128, 128, 32, 8, 3), Config(128, 128, 64, 8, 3), Config(128, 128, 32, 4, 4),
            Config(64, 128, 32, 4, 4), Config(64, 64, 32, 4, 4, 0)]
-TINY_M_ROWS, SMALL_M_ROWS = 1024, 2048   # between 512 and 1024 rows both tiny and small tiles compete
+# Between 512 and 1024 rows both tiny and small tiles compete. Powers of two, so that all the rows of one
+# size_bucket (the tuning key) get one list.
+TINY_M_ROWS, SMALL_M_ROWS = 1024, 2048
 
 
 def _tma_candidates(M: int, dtype: torch.dtype) -> list[Config]:
@@ -411,9 +413,9 @@ _TUNER = Tuner("linear", "".join(Path(__file__).with_name(name).read_text() for 
 
 def _tuned_launch(x, weight, bias, residual, out, scale: float, flags: dict, split_waves: bool = True) -> None:
     """Launches the TMA kernel where every matrix is tma_ready, else the plain one, with the fastest of its
-    candidate configs for this shape and these flags. A config whose last wave would leave most SMs idle runs (and
-    is timed) as the rows of its whole waves, then the rest with a config tuned for them alone (whole_wave_rows;
-    split_waves=False for that rest)."""
+    candidate configs for this shape (its rows in size_bucket) and these flags. A config whose last wave would
+    leave most SMs idle runs (and is timed) as the rows of its whole waves, then the rest with a config tuned for
+    them alone (whole_wave_rows; split_waves=False for that rest)."""
     M, K = x.shape
     N = weight.shape[0]
     tma = tma_ready(x, weight, residual, out)   # and so is every range of their rows
@@ -429,7 +431,8 @@ def _tuned_launch(x, weight, bias, residual, out, scale: float, flags: dict, spl
         launch_linear(config, *rows_of(slice(0, rows)), tma)
         _tuned_launch(*rows_of(slice(rows, None)), split_waves=False)
 
-    key = (M, N, K, str(x.dtype), *flags.values(), tma, split_waves)
+    # Nearby row counts share a pick (size_bucket); N and K are the weight's. The launches take the exact M.
+    key = (size_bucket(M), N, K, str(x.dtype), *flags.values(), tma, split_waves)
     candidates = _tma_candidates if tma else _plain_candidates
     launch(_TUNER.pick(key, candidates(M, x.dtype), launch, x.device))
 
