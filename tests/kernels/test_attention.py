@@ -130,7 +130,7 @@ def tuned(monkeypatch):
     launches = []
     run = ATTENTION._attention_kernel.run
     monkeypatch.setattr(ATTENTION._attention_kernel, "run",
-                        lambda *args, **kwargs: launches.append((args[4], args[5], args[7])) or run(*args, **kwargs))
+                        lambda *args, **kwargs: launches.append((args[4], args[5], args[6])) or run(*args, **kwargs))
     return launches
 
 
@@ -156,10 +156,26 @@ def test_tuned_per_batch_class(monkeypatch):
     assert "batch_heads" in kernel.keys
     seen = []
     run = kernel.run
-    monkeypatch.setattr(kernel, "run", lambda *args, **kwargs: seen.append(args[6]) or run(*args, **kwargs))
+    monkeypatch.setattr(kernel, "run",
+                        lambda *args, **kwargs: seen.append(kwargs["batch_heads"]) or run(*args, **kwargs))
     for batch, heads in ((1, 3), (5, 3), (2, 2)):
         attend(*qkv(batch, 17, heads, 32, torch.float32))
     assert seen == [4, 16, 4]
+
+
+def test_nearby_lengths_share_a_tuning_key(monkeypatch):
+    # An image size near a tuned one (197 -> 211 tokens) keys the autotuner as that one did; 226 tokens do not.
+    # The key: the autotuner's key arguments, all passed by name (the kernel gets the exact lengths).
+    monkeypatch.setattr(ATTENTION, "ONE_PASS_WAVES", 0)
+    kernel = ATTENTION._attention_kernel
+    assert not {"T_Q", "T_K"} & set(kernel.keys)
+    keys = []
+    run = kernel.run
+    monkeypatch.setattr(kernel, "run", lambda *args, **kwargs: keys.append(tuple(kwargs[name] for name in kernel.keys))
+                        or run(*args, **kwargs))
+    for tokens in (197, 211, 226):
+        attend(*qkv(1, tokens, 1, 32, torch.bfloat16))
+    assert keys[0] == keys[1] != keys[2]
 
 
 @each_dtype

@@ -1,5 +1,7 @@
 """patch_embed against F.conv2d + flatten + prefix tokens + position embedding, in timm's order."""
 
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,6 +13,7 @@ from tests.kernels.checks import (
 from vit_triton.kernels import patch_embed
 from vit_triton.kernels.tf32 import TF32_WEIGHT_ROWS
 
+PATCH_EMBED = importlib.import_module("vit_triton.kernels.patch_embed")   # the module; the package exports the function
 DIM = 45                                        # no multiple of any tile
 
 
@@ -123,3 +126,15 @@ def test_bad_input(change, message):
     args = dict(zip(("px", "w", "b", "pos", "pre"), inputs(*CASES[7], torch.float32, torch.float32)), out=None) | change
     with raises_value_error(message):
         patch_embed(args["px"], args["w"], args["b"], args["pos"], args["pre"], out=args["out"])
+
+
+def test_nearby_grids_share_a_tuning_key(monkeypatch):
+    # 3 x 3 and 2 x 5 patches key the autotuner alike (size_bucket: 10), 4 x 5 do not; each is embedded right.
+    kernel = PATCH_EMBED._patch_embed_kernel
+    buckets = []
+    run = kernel.run
+    monkeypatch.setattr(kernel, "run",
+                        lambda *args, **kwargs: buckets.append(kwargs["patches_bucket"]) or run(*args, **kwargs))
+    for h, w in ((24, 24), (16, 40), (32, 40)):
+        embed(*inputs(1, 3, h, w, 8, 1, "all", True, torch.bfloat16, torch.float32))
+    assert "patches_bucket" in kernel.keys and buckets[0] == buckets[1] != buckets[2]

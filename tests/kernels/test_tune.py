@@ -1,13 +1,32 @@
 """The launch-config tuner: the fastest candidate per key, kept in memory and on disk."""
 
+import importlib
 import json
 import threading
 
 import pytest
+import torch
+import torch.nn.functional as F
 
-from vit_triton.kernels.tuning import Config, Tuner
+from tests.kernels.checks import check, rand
+from vit_triton.kernels import linear
+from vit_triton.kernels.tuning import Config, Tuner, size_bucket
+
+LINEAR = importlib.import_module("vit_triton.kernels.linear")   # the module; the package exports the function
 
 CONFIGS = [Config(64, 64, 64, 4, 3), Config(128, 128, 64, 8, 4), Config(64, 32, 128, 4, 4, 0)]
+
+
+class CountingTimer:
+    """Runs each launch it is asked to time; counts them. The first candidate timed is the fastest."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, fn):
+        fn()
+        self.calls += 1
+        return float(self.calls)
 
 
 class FakeTimer:
@@ -90,3 +109,47 @@ def test_a_launch_being_timed_may_pick_for_another_key():
     assert not worker.is_alive(), "the nested pick deadlocked"
     assert picked == [CONFIGS[1]]
     assert set(inner) == {CONFIGS[1]}
+
+
+def test_a_key_seen_with_other_candidates_is_timed_again():
+    # The pick in memory is for one candidate list: a list without it is timed, and its own pick returned.
+    timer = FakeTimer({CONFIGS[0]: 3.0, CONFIGS[1]: 1.0, CONFIGS[2]: 2.0})
+    tuner = Tuner("k", "source", timer)
+    assert tuner.pick(("a",), CONFIGS, lambda c: c) == CONFIGS[1]
+    assert tuner.pick(("a",), CONFIGS[::2], lambda c: c) == CONFIGS[2]
+    assert timer.calls == 5
+
+
+def test_size_bucket():
+    sizes = range(1, 5000)
+    buckets = [size_bucket(n) for n in sizes]
+    assert buckets == sorted(buckets), "monotone"
+    assert all(size_bucket(b) == b for b in buckets)
+    assert [size_bucket(n) for n in range(9)] == list(range(9)), "exact for small sizes"
+    assert all(n <= b < 1.25 * n for n, b in zip(sizes, buckets) if n > 8), "nearby sizes only"
+    for k in range(3, 12):   # 4 buckets a power of two, ending at it
+        assert sorted({size_bucket(n) for n in range(2 ** k + 1, 2 ** (k + 1) + 1)}) == [
+            2 ** k * q // 4 for q in (5, 6, 7, 8)]
+    assert size_bucket(197) == size_bucket(211) != size_bucket(226)   # ViT-B/16: 224 x 224, 224 x 240, 240 x 240 px
+
+
+def test_size_bucket_keeps_linear_candidate_lists_apart():
+    # The rows of one bucket get one TMA candidate list: its thresholds are ends of buckets.
+    for rows in (LINEAR.TINY_M_ROWS // 2, LINEAR.TINY_M_ROWS, LINEAR.SMALL_M_ROWS):
+        assert size_bucket(rows) == rows < size_bucket(rows + 1)
+
+
+@pytest.mark.parametrize("kernel", ["tma", "plain"])
+def test_linear_shares_a_pick_between_nearby_row_counts(kernel, monkeypatch):
+    # Nearby row counts (a new image size, a new batch) take the pick of their bucket, untimed; far ones are timed.
+    # On the GPU too, these 32-row tiles of a 128-wide product launch no second wave to split (whole_wave_rows).
+    timer = CountingTimer()
+    monkeypatch.setattr(LINEAR, "_TUNER", Tuner("linear", "source", timer))
+    candidates = [Config(32, 32, 32, 4, 1), Config(32, 64, 32, 4, 1)]
+    monkeypatch.setattr(LINEAR, f"_{kernel}_candidates", lambda m, dtype: candidates)
+    w, b = rand(128, 40, dtype=torch.bfloat16), rand(128, dtype=torch.bfloat16)
+    w = w if kernel == "tma" else w.new_empty(128, 41)[:, 1:].copy_(w)   # rows 2 bytes off 16: no TMA
+    for rows, timed in ((197, 2), (210, 2), (400, 4)):
+        x = rand(rows, 40, dtype=torch.bfloat16)
+        check(linear(x, w, b), lambda x, w, b: F.linear(x, w, b), x, w, b)
+        assert timer.calls == timed, rows

@@ -36,6 +36,7 @@ from .common import (
     INTERPRET, LOG2E, cast, check_device, check_dtype, check_float, check_shape, exp2, input_precision, mma,
     sm_count, pdl, start_next_kernel, to_tf32, tune, wait_for_previous_kernel,
 )
+from .tuning import size_bucket
 
 TAIL_N = tl.constexpr(16)  # the smallest key block a 16-bit tensor-core product takes (k = 16)
 SMALLEST_BLOCK_M = 64      # of the configs below: the launch with the most programs
@@ -124,13 +125,14 @@ def _attend_once(q, k_base, v_base, T, sk_t, sv_t, qk_scale, offs_d, mask_d, acc
         ],
         triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=4, num_stages=1),
     ),
-    key=["T_Q", "T_K", "HEAD_DIM", "INPUT_PRECISION", "QKV_TF32", "batch_heads"],
+    key=["tq_bucket", "tk_bucket", "HEAD_DIM", "INPUT_PRECISION", "QKV_TF32", "batch_heads"],
 )
-@triton.jit(do_not_specialize=["batch_heads"])
+@triton.jit(do_not_specialize=["batch_heads", "tq_bucket", "tk_bucket"])
 def _attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr,
-    T_K, H, batch_heads, T_Q, qk_scale,   # keys, queries; batch_heads: B*H rounded up to a power of two, a tuning key
+    T_K, H, T_Q, qk_scale,   # keys, queries
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h,
+    batch_heads, tq_bucket, tk_bucket,   # tuning keys only (tuning_sizes)
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, PDL: tl.constexpr,
     QKV_TF32: tl.constexpr, O_TF32: tl.constexpr,   # q, k, v hold tf32 values already; o stored rounded to tf32
     KEYS0: tl.constexpr, KEYS1: tl.constexpr, KEYS2: tl.constexpr,   # one pass over pieces of keys if KEYS0 > 0
@@ -218,10 +220,7 @@ def fused_attention(
     if not scale > 0:
         raise ValueError(f"scale must be positive, got {scale}")
 
-    # The best tile depends on how many programs fill the GPU (one image: 64-row tiles, every SM
-    # busy; 256 images: 128-row tiles, at 0.75x the time of 64-row ones), so the tuner keys on B*H's
-    # power of two as well as on the sequences. A short launch over at most ONE_PASS_MAX_T keys takes the
-    # one-pass path untuned.
+    # A short launch over at most ONE_PASS_MAX_T keys takes the one-pass path untuned.
     programs = B * H * triton.cdiv(Tq, ONE_PASS_BLOCK_M)
     if Tk <= ONE_PASS_MAX_T and programs <= ONE_PASS_WAVES * sm_count(q.device):
         kernel = _attention_kernel.fn
@@ -236,17 +235,25 @@ def fused_attention(
 
     kernel[grid](
         q, k, v, out,
-        Tk, H, triton.next_power_of_2(B * H), Tq, scale * LOG2E,
+        Tk, H, Tq, scale * LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
+        **tuning_sizes(B, H, Tq, Tk),
         HEAD_DIM=Dh, BLOCK_D=max(16, triton.next_power_of_2(Dh)),
         INPUT_PRECISION=precision, QKV_TF32=precision == "tf32" and tf32_input,
         O_TF32=precision == "tf32" and tf32_output, **pdl(q.device, B * H * triton.cdiv(Tq, SMALLEST_BLOCK_M)),
         **launch,
     )
     return out
+
+
+def tuning_sizes(B: int, H: int, Tq: int, Tk: int) -> dict[str, int]:
+    """The kernel's arguments that only key its tuning. The best tile depends on how many programs fill the GPU
+    (one image: 64-row tiles, every SM busy; 256 images: 128-row tiles, at 0.75x the time of 64-row ones), so
+    the key holds B*H's power of two as well as the sequences, in size_bucket: nearby lengths share one pick."""
+    return dict(batch_heads=triton.next_power_of_2(B * H), tq_bucket=size_bucket(Tq), tk_bucket=size_bucket(Tk))
 
 
 def key_pieces(T: int) -> tuple[int, int, int]:

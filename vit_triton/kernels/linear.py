@@ -61,7 +61,7 @@ from .common import (
     INTERPRET, cast, check_device, check_dtype, check_float, check_shape, input_precision, mma, sm_count, pdl,
     PDL_OFF, prefetch_l2, start_next_kernel, tma_ready, to_tf32, wait_for_previous_kernel,
 )
-from .tuning import Config, Tuner
+from .tuning import Config, Tuner, size_bucket
 from .tf32 import tf32_weight
 
 
@@ -305,7 +305,9 @@ TINY_M = [    # one or two images: 64-row tiles, narrow enough to give most SMs 
 ]
 FLOAT32 = [Config(128, 128, 32, 8, 3), Config(128, 128, 64, 8, 3), Config(128, 128, 32, 4, 4),
            Config(64, 128, 32, 4, 4), Config(64, 64, 32, 4, 4, 0)]
-TINY_M_ROWS, SMALL_M_ROWS = 1024, 2048   # between 512 and 1024 rows both tiny and small tiles compete
+# Between 512 and 1024 rows both tiny and small tiles compete. Powers of two, so that all the rows of one
+# size_bucket (the tuning key) get one list.
+TINY_M_ROWS, SMALL_M_ROWS = 1024, 2048
 
 
 def _tma_candidates(M: int, dtype: torch.dtype) -> list[Config]:
@@ -530,9 +532,9 @@ _TUNER = Tuner("linear", "".join(Path(__file__).with_name(name).read_text() for 
 def _tuned_launch(x, weight, bias, residual, out, scale: float, flags: dict, rope: Rope = NO_ROPE,
                   split_waves: bool = True) -> None:
     """Launches the TMA kernel where every matrix is tma_ready, else the plain one, with the fastest of its
-    candidate configs for this shape and these flags. A config whose last wave would leave most SMs idle runs (and
-    is timed) as the rows of its whole waves, then the rest with a config tuned for them alone (whole_wave_rows;
-    split_waves=False for that rest)."""
+    candidate configs for this shape (its rows in size_bucket) and these flags. A config whose last wave would
+    leave most SMs idle runs (and is timed) as the rows of its whole waves, then the rest with a config tuned for
+    them alone (whole_wave_rows; split_waves=False for that rest)."""
     M, K = x.shape
     N = weight.shape[0]
     tma = tma_ready(x, weight, residual, out)   # and so is every range of their rows
@@ -548,7 +550,8 @@ def _tuned_launch(x, weight, bias, residual, out, scale: float, flags: dict, rop
         launch_linear(config, *rows_of(slice(0, rows)), tma, rope)
         _tuned_launch(*rows_of(slice(rows, None)), rope._replace(row0=rope.row0 + rows), split_waves=False)
 
-    key = (M, N, K, str(x.dtype), *flags.values(), tma, split_waves)
+    # Nearby row counts share a pick (size_bucket); N and K are the weight's. The launches take the exact M.
+    key = (size_bucket(M), N, K, str(x.dtype), *flags.values(), tma, split_waves)
     candidates = (_tma_candidates if tma else _plain_candidates)(M, x.dtype)
     if flags["ROPE_HALF"]:   # a tile holds whole heads, so that each channel's partner is in it
         candidates = list(dict.fromkeys(c._replace(block_n=max(c.block_n, flags["HEAD_DIM"])) for c in candidates))

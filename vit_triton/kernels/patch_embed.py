@@ -26,6 +26,7 @@ from .common import (
     wait_for_previous_kernel,
 )
 from .tf32 import tf32_weight
+from .tuning import size_bucket
 
 
 def _config(bm, bn, bk, warps, stages):
@@ -42,13 +43,14 @@ def _config(bm, bn, bk, warps, stages):
         ],
         _config(32, 32, 32, 4, 1),
     ),
-    key=["NUM_PATCHES", "D", "K", "NUM_PREFIX", "INPUT_PRECISION", "W_TF32"],
+    key=["patches_bucket", "D", "K", "NUM_PREFIX", "INPUT_PRECISION", "W_TF32"],
 )
-@triton.jit
+@triton.jit(do_not_specialize=["patches_bucket"])
 def _patch_embed_kernel(
     px_ptr, w_ptr, b_ptr, pos_ptr, pre_ptr, out_ptr,
     B, C, D, K, NUM_PATCHES, GRID_W, NUM_PREFIX,
     s_pb, s_pc, s_ph, s_pw, stride_wd, s_ob, s_ot,
+    patches_bucket,   # size_bucket(NUM_PATCHES), a tuning key only: nearby image sizes share one pick
     PATCH: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_PREFIX: tl.constexpr, HAS_POS: tl.constexpr, POS_HAS_PREFIX: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, W_TF32: tl.constexpr,   # W_TF32: W holds tf32 values already
     PDL: tl.constexpr,
@@ -166,7 +168,7 @@ def patch_embed(
         None if prefix_tokens is None else prefix_tokens.contiguous(), out,
         B, C, D, C * S * S, num_patches, W // S, num_prefix,
         pixels.stride(0), pixels.stride(1), pixels.stride(2), pixels.stride(3),
-        weight.stride(0), out.stride(0), out.stride(1),
+        weight.stride(0), out.stride(0), out.stride(1), patches_bucket=size_bucket(num_patches),
         PATCH=S, HAS_BIAS=bias is not None, HAS_PREFIX=num_prefix > 0, HAS_POS=pos_embed is not None,
         POS_HAS_PREFIX=pos_embed is not None and pos_embed.shape[0] == T and num_prefix > 0,
         INPUT_PRECISION=precision, W_TF32=w_tf32, **pdl(weight.device, most_programs),

@@ -17,6 +17,10 @@ So linear's launcher times its candidates itself, through this small tuner:
   second process starts without timing anything;
 - inside a CUDA-graph capture nothing can be timed: an unseen key takes the first candidate
   (vit_triton.compile warms up before it captures, so its graphs hold tuned launches).
+
+Sizes that vary with the input (linear's rows, attention's token counts, patch_embed's patches) enter every
+tuning key, this tuner's and Triton's autotuner's, as size_bucket(n): n rounded up to 4 values a power of two,
+so a new image or batch size near a tuned one reuses its picks; the kernels still get the exact sizes.
 """
 
 from __future__ import annotations
@@ -45,6 +49,14 @@ class Config(NamedTuple):
     warps: int
     stages: int
     persistent: int = 1
+
+
+def size_bucket(n: int) -> int:
+    """n rounded up to the next 2^k * (1, 1.25, 1.5 or 1.75), n itself up to 8 (197 and 224 -> 224, 225 -> 256):
+    a tuning key for a size that varies with the input. Within a bucket a size changes by less than a quarter,
+    seldom enough to reorder the candidates; powers of two end buckets, so no bucket straddles a threshold there."""
+    shift = max(n.bit_length() - 3, 0)
+    return triton.cdiv(n, 1 << shift) << shift
 
 
 _THREAD = threading.local()
