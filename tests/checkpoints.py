@@ -19,12 +19,12 @@ TINY_TIMM = dict(img_size=32, patch_size=8, depth=2)
 
 
 def hf_model(cls_name: str, seed: int = 0, **kw) -> torch.nn.Module:
-    """A randomized transformers model of TINY_HF's shape (a CLIPModel or SiglipModel: its vision tower's, with a
-    small text tower), in eval mode."""
+    """A randomized transformers model of TINY_HF's shape (a CLIPModel, SiglipModel or Aimv2Model: its vision
+    tower's, with a small text tower), in eval mode."""
     import transformers
 
     cls = getattr(transformers, cls_name)
-    if cls in (transformers.CLIPModel, transformers.SiglipModel):
+    if cls in (transformers.CLIPModel, transformers.SiglipModel, transformers.Aimv2Model):
         text = dict(hidden_size=32, intermediate_size=40, num_hidden_layers=1, num_attention_heads=2)
         config = cls.config_class(vision_config=TINY_HF, text_config=text, **kw)
     else:
@@ -33,24 +33,28 @@ def hf_model(cls_name: str, seed: int = 0, **kw) -> torch.nn.Module:
 
 
 def family_outputs(model, pixels):
-    """A transformers DINOv2, DINOv3, CLIP, SigLIP or ViT-MAE encoder's last_hidden_state, the image embedding its
-    library defines, and the pooled features before a projection; at any input size, as each resamples its position
-    embedding (interpolate_pos_encoding; DINOv2 always does)."""
+    """A transformers DINOv2, DINOv3, CLIP, SigLIP, ViT-MAE or AIMv2 encoder's last_hidden_state, the image
+    embedding its library defines, and the pooled features before a projection; at any input size, as each resamples
+    its position embedding (interpolate_pos_encoding; DINOv2 always does; AIMv2 cannot, but for its native
+    checkpoints' sin-cos table, built for any grid). An Aimv2VisionModel without its head has no pooler_output:
+    the mean of last_hidden_state stands for it (what timm's AIMv2 pools, and vit-triton)."""
     import transformers
 
-    # DINOv2 always resamples its position embedding; DINOv3 has none
-    any_size = {} if type(model).__name__.startswith(("Dinov2", "DINOv3")) else {"interpolate_pos_encoding": True}
+    # DINOv2 always resamples its position embedding; DINOv3 has none; AIMv2 takes no such argument
+    fixed = ("Dinov2", "DINOv3", "Aimv2")
+    any_size = {} if type(model).__name__.startswith(fixed) else {"interpolate_pos_encoding": True}
 
     if isinstance(model, transformers.ViTMAEModel):   # no masking: mask_ratio 0 and the patches kept in order
         patches = (pixels.shape[2] // model.config.patch_size) * (pixels.shape[3] // model.config.patch_size)
         noise = torch.arange(patches, device=pixels.device).expand(len(pixels), -1)
         features = model(pixels, noise=noise.to(pixels.dtype), **any_size).last_hidden_state
         return features, features[:, 0], features[:, 0]
-    if isinstance(model, (transformers.CLIPModel, transformers.CLIPVisionModelWithProjection)):
+    if isinstance(model, (transformers.CLIPModel, transformers.CLIPVisionModelWithProjection, transformers.Aimv2Model)):
         out = model.vision_model(pixels, **any_size)
         return out.last_hidden_state, model.visual_projection(out.pooler_output), out.pooler_output
     out = (model.vision_model if isinstance(model, transformers.SiglipModel) else model)(pixels, **any_size)
-    return out.last_hidden_state, out.pooler_output, out.pooler_output
+    pooled = out.last_hidden_state.mean(1) if out.pooler_output is None else out.pooler_output
+    return out.last_hidden_state, pooled, pooled
 
 
 def save_hf(model: torch.nn.Module, directory: Path, processor: dict | None = None, **save_kw) -> Path:
@@ -59,8 +63,9 @@ def save_hf(model: torch.nn.Module, directory: Path, processor: dict | None = No
 
     model.save_pretrained(directory, **save_kw)
     if processor is not None:
-        cls = transformers.DeiTImageProcessor if type(model).__name__.startswith("DeiT") \
-            else transformers.ViTImageProcessor
+        name = type(model).__name__
+        cls = transformers.DeiTImageProcessor if name.startswith("DeiT") else transformers.CLIPImageProcessor \
+            if name.startswith(("CLIP", "Aimv2")) else transformers.ViTImageProcessor
         cls(**processor).save_pretrained(directory)
     return directory
 

@@ -143,10 +143,12 @@ def cases():
             INPUT_PRECISION="ieee", W_TF32=False), None)
         for parts in (0, 2) if dtype == "bf16" else (0,):   # 2: add_layer_norm after a GEMM split in two
             yield (f"layer_norm{'-add' * (parts > 0)}", _layer_norm_kernel, dtype, {"num_warps": 4},
-                   dict(HAS_BIAS=True, RMS=False, NUM_PARTS=parts, BLOCK_M=2, BLOCK_D=1024), None)
-        if dtype == "bf16":   # RMSNorm without bias
-            yield ("layer_norm-rms", _layer_norm_kernel, dtype, {"num_warps": 4},
-                   dict(b_ptr=None, HAS_BIAS=False, RMS=True, NUM_PARTS=0, BLOCK_M=2, BLOCK_D=1024), None)
+                   dict(HAS_BIAS=True, RMS=False, HAS_ADD=False, NUM_PARTS=parts, BLOCK_M=2, BLOCK_D=1024), None)
+        if dtype == "bf16":   # RMSNorm without bias, and with a table added after it (AIMv2's patch embeddings)
+            for post_add in (False, True):
+                yield (f"layer_norm-rms{'-post-add' * post_add}", _layer_norm_kernel, dtype, {"num_warps": 4},
+                       dict(b_ptr=None, HAS_BIAS=False, RMS=True, HAS_ADD=post_add, NUM_PARTS=0, BLOCK_M=2,
+                            BLOCK_D=1024), None)
         yield ("token_mean", _token_mean_kernel, dtype, {"num_warps": 4}, dict(BLOCK_T=16, BLOCK_D=256), None)
     # tf32: operands rounded in the kernel, or beforehand (the weight by round_to_tf32, x by the kernel
     # that wrote it, the output for the kernel that reads it).
@@ -165,8 +167,8 @@ def cases():
     for pre in (False, True):
         yield ("fused_attention", _attention_kernel, "tf32", {}, dict(HEAD_DIM=64, BLOCK_D=64, INPUT_PRECISION="tf32",
                                                                       QKV_TF32=pre, O_TF32=pre, **streaming), None)
-    yield ("layer_norm", _layer_norm_kernel, "tf32", {"num_warps": 4}, dict(HAS_BIAS=True, RMS=False, NUM_PARTS=2,
-                                                                            BLOCK_M=2, BLOCK_D=1024), None)
+    yield ("layer_norm", _layer_norm_kernel, "tf32", {"num_warps": 4}, dict(HAS_BIAS=True, RMS=False, HAS_ADD=False,
+                                                                            NUM_PARTS=2, BLOCK_M=2, BLOCK_D=1024), None)
 
 
 def main() -> None:

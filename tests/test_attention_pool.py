@@ -1,5 +1,5 @@
-"""AttentionPool with the random weights of timm's AttentionPoolLatent and of SigLIP's pooling head (transformers),
-against those modules, and the PyTorch reference of the same head against timm's."""
+"""AttentionPool with the random weights of timm's AttentionPoolLatent and of SigLIP's and AIMv2's pooling heads
+(transformers), against those modules, and the PyTorch reference of the same heads against timm's and AIMv2's."""
 
 import copy
 from functools import partial
@@ -8,12 +8,14 @@ import pytest
 import torch
 from timm.layers import AttentionPoolLatent
 from torch import nn
-from transformers import SiglipVisionConfig
+from transformers import Aimv2VisionConfig, SiglipVisionConfig
+from transformers.models.aimv2.modeling_aimv2 import Aimv2AttentionPoolingHead
 from transformers.models.siglip.modeling_siglip import SiglipMultiheadAttentionPoolingHead
 
 from tests.kernels.checks import raises_value_error, tf32_matmuls
 from tests.numerics import DEVICE, assert_close, randomize_, rel_err
-from vit_triton.model import AttentionPool
+from vit_triton import ops
+from vit_triton.model import AttentionPool, attention_pool
 from vit_triton.model.reference import attention_pool_reference
 
 EPS = 1e-6
@@ -46,6 +48,20 @@ def siglip_head(dim, heads, mlp_dim):
               "norm.bias": p["layernorm.bias"]}
     params |= {k: v for k, v in p.items() if k.startswith("mlp.")}
     return theirs.eval(), params
+
+
+def aimv2_head(dim, heads):
+    """AIMv2's head (its k_proj and v_proj with biases) with random weights, and its state dict in AttentionPool's
+    names: no q, no norm, no mlp."""
+    theirs = randomize_(Aimv2AttentionPoolingHead(Aimv2VisionConfig(hidden_size=dim, num_attention_heads=heads,
+                                                                    qkv_bias=True)))
+    p = theirs.state_dict()
+    params = {"latent": p["cls_token"][0], "kv.weight": torch.cat([p["k_proj.weight"], p["v_proj.weight"]]),
+              "kv.bias": torch.cat([p["k_proj.bias"], p["v_proj.bias"]]), "proj.weight": p["output_proj.weight"],
+              "proj.bias": p["output_proj.bias"]}
+    pool = AttentionPool(dim, heads, 4 * dim, query_proj=False, mlp=False)
+    pool.load_state_dict(params)
+    return theirs.eval(), params, pool
 
 
 def ours_from(params, heads, act, dtype):
@@ -90,6 +106,32 @@ def test_reference_matches_timm(latent_len):
     params = {"head." + k: v.double() for k, v in params.items()}
     ours = attention_pool_reference(params, "head.", tokens, 3, EPS, "gelu")
     assert rel_err(ours, theirs.double()(tokens)) < 1e-13
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_matches_aimv2(dtype):
+    torch.manual_seed(5)
+    dim, heads, _ = WIDTHS["Dh72"]
+    theirs, params, ours = aimv2_head(dim, heads)
+    tokens = torch.randn(3, 51, dim, dtype=torch.float64)
+    reference = attention_pool_reference({"head." + k: v.double() for k, v in params.items()}, "head.", tokens, heads,
+                                         EPS, "gelu")
+    assert rel_err(reference, copy.deepcopy(theirs).double()(tokens)) < 1e-13
+    assert_matches(ours.to(DEVICE, dtype), theirs, tokens.float(), dtype)
+
+
+def test_aimv2_query_is_rounded_to_tf32_by_attention(monkeypatch):
+    # No kernel wrote AIMv2's query (the latent itself) rounded to tf32: with float32 matmuls on tf32 attention must
+    # round it, as it does when no operand comes rounded: the same bits as every kernel rounding its own operands.
+    torch.manual_seed(6)
+    _, _, pool = aimv2_head(96, 3)
+    pool = pool.to(DEVICE)
+    tokens = torch.randn(2, 37, 96, device=DEVICE)
+    with tf32_matmuls():
+        flagged = pool(tokens)
+        pool.kv.tf32_output = pool.proj.tf32_input = False
+        monkeypatch.setattr(attention_pool, "fused_attention", lambda q, k, v, **flags: ops.fused_attention(q, k, v))
+        assert torch.equal(pool(tokens), flagged)
 
 
 def test_query_kept_until_its_inputs_change(monkeypatch):

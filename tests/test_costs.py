@@ -51,3 +51,13 @@ def test_avg_pool_and_fc_norm_launches():
     costs = {c.name: c for c in forward_costs(cfg, 2, 4)}
     assert costs["token_mean"].flops == 2 * 16 * 64 and costs["layer_norm fc"].flops == 8 * 2 * 64
     assert "layer_norm final" not in names
+
+
+def test_embed_norm_adds_the_position_table():
+    # AIMv2: the patch embeddings' RMSNorm (weight only) adds the table: 16 patches of 64 a 32 px image
+    cfg = ViTConfig(image_size=32, patch_size=8, embed_dim=64, depth=1, num_heads=2, mlp_dim=64, class_token=False,
+                    pool="avg", norm="rmsnorm", embed_norm=True)
+    costs = {c.name: c for c in forward_costs(cfg, 2, 4)}
+    assert costs["layer_norm embed"].bytes == 4 * (2 * 32 * 64 + 64 + 16 * 64)
+    assert costs["layer_norm embed"].dims["post_add"] == 16
+    assert costs["patch_embed"].bytes == 4 * (2 * 3 * 32 * 32 + 64 * 192 + 32 * 64)

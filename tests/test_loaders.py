@@ -105,6 +105,34 @@ def test_from_hf_families_match_transformers(family, dtype, size):
     _check_parity(_family_model(family), family_outputs, from_hf, dtype, size)
 
 
+# AIMv2: RMSNorm, the patch embeddings normalised before the position table is added, SwiGLU, the head's learned
+# query itself against k_proj and v_proj (then output_proj); biases everywhere or nowhere; an Aimv2Model projects the
+# head's output. transformers runs a learned table at its own grid only (elsewhere the add fails on the shapes),
+# the native checkpoints' sin-cos table at any grid: the 3 x 5 grid here. A learned table at another grid is
+# resampled as timm's AIMv2 does (test_from_timm_aimv2_at_another_size_matches_timm).
+AIMV2 = {
+    "vision-head-biases": lambda: transformers.Aimv2VisionModel(transformers.Aimv2VisionConfig(
+        **TINY_VISION, intermediate_size=96, qkv_bias=True, mlp_bias=True)),
+    "vision-native-no-head": lambda: transformers.Aimv2VisionModel(transformers.Aimv2VisionConfig(
+        **TINY_VISION, intermediate_size=96, is_native=True, use_head=False)),
+    "model-projection": lambda: transformers.Aimv2Model(transformers.Aimv2Config(
+        vision_config=dict(TINY_VISION, intermediate_size=96), projection_dim=40, text_config=dict(
+            hidden_size=32, intermediate_size=40, num_hidden_layers=1, num_attention_heads=2))),
+}
+
+
+@pytest.mark.parametrize("variant, dtype, size", [
+    ("vision-head-biases", torch.float32, 24), ("vision-head-biases", torch.bfloat16, 24),
+    ("vision-native-no-head", torch.float32, (24, 40)), ("vision-native-no-head", torch.bfloat16, (24, 40)),
+    ("model-projection", torch.float32, 24)])
+def test_from_hf_aimv2_matches_transformers(variant, dtype, size):
+    model = AIMV2[variant]()
+    if variant != "vision-native-no-head":
+        with pytest.raises(RuntimeError, match="must match the size"):
+            family_outputs(model, torch.randn(1, 3, 24, 40))
+    _check_parity(model, family_outputs, from_hf, dtype, size)
+
+
 def test_hf_families_return_what_their_users_want():
     """DINOv2: the normalized class token; CLIP: the projected, post-normed class token (image_embeds)."""
     dinov2, clip = from_hf(_family_model("dinov2")), from_hf(_family_model("clip-model"))
@@ -272,6 +300,17 @@ def test_from_timm_eva_matches_timm(variant, size, dtype):
     _check_parity(model, _run_timm, from_timm, dtype, SIZES[size])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_from_timm_aimv2_at_another_size_matches_timm(dtype):
+    # timm's AIMv2: RmsNorm, the norm in the patch embedding, SwiGLU, no projection biases, the patch mean
+    model = timm.create_model("aimv2_large_patch14_224", pretrained=False, **TINY_EVA, mlp_ratio=1.5,
+                              dynamic_img_size=True)
+    cfg = from_timm(model).config
+    assert (cfg.norm, cfg.embed_norm, cfg.act, cfg.proj_bias, cfg.pool, cfg.norm_eps) == (
+        "rmsnorm", True, "swiglu", False, "avg", 1e-5)
+    _check_parity(model, _run_timm, from_timm, dtype, SIZES["3x5"])
+
+
 def test_eva_config():
     name, kw = EVA_VARIANTS["eva02-base-swiglu-subnorm"]
     cfg = from_timm(timm.create_model(name, pretrained=False, **TINY_EVA, **kw)).config
@@ -344,8 +383,8 @@ def test_missing_value_projection_is_reported():
 @pytest.mark.parametrize("kw, match", [
     (dict(global_pool="max"), r"global_pool 'max' \(supported: token, avg, map\)"),
     (dict(qk_norm=True), "qk_norm"),
-    (dict(norm_layer=RmsNorm), r"norm layer RmsNorm \(supported: LayerNorm\)"),
-    (dict(proj_bias=False), "proj_bias=False"),
+    (dict(norm_layer=torch.nn.BatchNorm1d), r"norm layer BatchNorm1d \(supported: LayerNorm, RmsNorm\)"),
+    (dict(embed_norm_layer=RmsNorm), "LayerNorm and RmsNorm in one model"),
 ])
 def test_unsupported_timm_features(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -358,7 +397,7 @@ def test_unsupported_modules():
     with pytest.raises(ValueError, match="ViTForImageClassification, DeiTModel, .*, got Linear"):
         from_hf(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="unsupported HuggingFace model_type 'swin'; supported: "
-                                         "'clip_vision_model', 'deit', "):
+                                         "'aimv2_vision_model', 'clip_vision_model', 'deit', "):
         hf_config_to_vit({"model_type": "swin"})
     with pytest.raises(ValueError, match="unsupported hidden_act 'relu'; supported: gelu, "):
         hf_config_to_vit({**transformers.ViTConfig(**TINY_HF).to_dict(), "hidden_act": "relu"})

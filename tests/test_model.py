@@ -34,6 +34,11 @@ VARIANTS = {
     "rope-mixed-xy-head": dict(rope="mixed", rope_xy=True, rope_theta=10.0, num_classes=50),
     "rmsnorm-swiglu-no-biases": dict(norm="rmsnorm", act="swiglu", qkv_bias=False, proj_bias=False,
                                      mlp_bias=False, class_token=False, pool="avg"),
+    # AIMv2 native: the patch embeddings normalised, then a sin-cos table added; the head's query is its latent
+    "aimv2-embed_norm-sincos-map-no-q-no-mlp": dict(norm="rmsnorm", act="swiglu", qkv_bias=False, proj_bias=False,
+                                                    mlp_bias=False, class_token=False, embed_norm=True,
+                                                    pos_sincos=True, pool="map", pool_query_proj=False,
+                                                    pool_mlp=False),
 }
 
 
@@ -60,7 +65,8 @@ def test_forward_matches_reference(variant, dtype):
 ANY_SIZE = [("cls-head", "bicubic"), ("avg-fc_norm-registers", "bicubic_float32_antialias"),
             ("no-class-no_embed_class", "bicubic_float32"), ("deit-distilled", "bicubic_float32_antialias"),
             ("dinov3-rope-centered-half-registers-no-pos", "bicubic"), ("rope-mixed-xy-head", "bicubic"),
-            ("eva02-swiglu-mlp_norm-rope-axial", "bicubic_float32_antialias")]
+            ("eva02-swiglu-mlp_norm-rope-axial", "bicubic_float32_antialias"),
+            ("aimv2-embed_norm-sincos-map-no-q-no-mlp", "bicubic")]   # a sin-cos table is built, not resampled
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -200,6 +206,10 @@ def test_pixels_on_another_device():
     (dict(head_dist=True, num_classes=3), "head_dist needs dist_token=True"),
     (dict(head_dist=True, dist_token=True), "head_dist needs dist_token=True, num_classes > 0"),
     (dict(norm="batchnorm"), r"norm must be one of \('layernorm', 'rmsnorm'\), got 'batchnorm'"),
+    (dict(embed_norm=True), r"need no prefix tokens, got 1 \(class_token, dist_token, reg_tokens\)"),
+    (dict(pos_sincos=True, class_token=False, pool="avg", embed_dim=66, num_heads=3),
+     "pos_sincos needs abs_pos_embed=True and embed_dim a multiple of 4, got abs_pos_embed True and embed_dim 66"),
+    (dict(pool_mlp=False), "pool_mlp=False needs pool 'map', got pool 'token'"),
 ])
 def test_bad_config(kw, match):
     with pytest.raises(ValueError, match=match):

@@ -151,6 +151,29 @@ def test_for_model_uses_the_checkpoints_preprocessing(tmp_path):
     assert torch.equal(pre(img), theirs(img))
 
 
+def test_for_model_gives_aimv2_its_processors_pixels(tmp_path):
+    # transformers' AIMv2 checkpoints come with a CLIPImageProcessor (AutoImageProcessor's class for aimv2 too: the
+    # shorter side resized, bicubic, a center crop, OpenAI's mean and std); timm's with their pretrained_cfg
+    import transformers
+
+    imgs = [image(seed, h, w) for seed, (h, w) in enumerate(SIZES)]
+    directory = save_hf(hf_model("Aimv2VisionModel"), tmp_path / "hf",
+                        processor=dict(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}))
+    pre = Preprocess.for_model(from_pretrained(directory, device="cpu"))
+    theirs = transformers.AutoImageProcessor.from_pretrained(directory)
+    assert type(theirs).__name__ == "CLIPImageProcessor" and pre.mean == tuple(theirs.image_mean)
+    for img in imgs:
+        assert torch.equal(pre(img), theirs(img, return_tensors="pt")["pixel_values"][0])
+
+    model = timm_model("aimv2_large_patch14_224", embed_dim=64, num_heads=2, mlp_ratio=1.5)
+    directory = save_timm(model, tmp_path / "timm")
+    pre = Preprocess.for_model(from_pretrained(directory, device="cpu"))
+    theirs = timm_eval_transform(pretrained_cfg=json.loads((directory / "config.json").read_text())["pretrained_cfg"])
+    assert pre.crop == (32, 32) and pre.resize == 32   # crop_pct 1.0
+    for img in imgs:
+        assert torch.equal(pre(img), theirs(img))
+
+
 @pytest.mark.parametrize("size", [(24, 40), 16], ids=["24x40", "16"])
 def test_for_model_at_another_image_size(size, tmp_path):
     # What the libraries make at that size: timm's transform for input_size (3, H, W); a transformers processor

@@ -30,7 +30,7 @@ def _check(ours, ref, features_and_output) -> None:
 
 def _hf_outputs(model, pixels):
     name = type(model).__name__
-    if name.startswith(("ViTMAE", "CLIP", "Dinov2", "DINOv3", "Siglip")):
+    if name.startswith(("ViTMAE", "CLIP", "Dinov2", "DINOv3", "Siglip", "Aimv2")):
         features, output, _ = family_outputs(model.vit if name == "ViTMAEForPreTraining" else model, pixels)
         return features, output
     inner = getattr(model, "vit", None) or getattr(model, "deit", None) or model
@@ -55,6 +55,8 @@ HF_CASES = {
     "DINOv3ViTModel": dict(num_register_tokens=4, use_gated_mlp=True, hidden_act="silu"),
     "ViTMAEForPreTraining": dict(mask_ratio=0.0, decoder_hidden_size=32, decoder_num_hidden_layers=1,
                                  decoder_intermediate_size=40, decoder_num_attention_heads=2),
+    "Aimv2VisionModel": dict(qkv_bias=True),
+    "Aimv2Model": dict(projection_dim=40),
 }
 
 
@@ -120,6 +122,8 @@ TIMM_CASES = {
     "eva02-tiny": ("eva02_tiny_patch14_224", dict(embed_dim=64, num_heads=2, patch_size=8, num_classes=3), True),
     "rope-mixed": ("vit_small_patch16_rope_mixed_224", dict(embed_dim=64, num_heads=2, num_classes=0), True),
     "dinov3": ("vit_small_patch16_dinov3", dict(embed_dim=64, num_heads=2, patch_size=8), True),
+    # RmsNorm (its bias-free norms), SwiGLU (fc1_g, fc1_x) and the patch embedding's norm: read from the tensors
+    "aimv2": ("aimv2_large_patch14_224", dict(embed_dim=64, num_heads=2, mlp_ratio=1.5), True),
 }
 
 

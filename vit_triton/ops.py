@@ -45,12 +45,12 @@ def _(x, weight, bias, activation, residual, scale, tf32_input, tf32_output, cos
 
 @torch.library.custom_op("vit_triton::layer_norm", mutates_args=())
 def _layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float, tf32_output: bool,
-                rms: bool = False) -> Tensor:
-    return kernels.layer_norm(x, weight, bias, eps, rms=rms, tf32_output=tf32_output)
+                rms: bool = False, post_add: Tensor | None = None) -> Tensor:
+    return kernels.layer_norm(x, weight, bias, eps, rms=rms, tf32_output=tf32_output, post_add=post_add)
 
 
 @_layer_norm.register_fake
-def _(x, weight, bias, eps, tf32_output, rms=False):
+def _(x, weight, bias, eps, tf32_output, rms=False, post_add=None):
     return x.new_empty(x.shape)
 
 
@@ -128,11 +128,11 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, activation:
 
 
 def layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float, *, rms: bool = False,
-               tf32_output: bool = False) -> Tensor:
-    """kernels.layer_norm: LayerNorm (RMSNorm with rms) of each row of x [M, D]."""
+               tf32_output: bool = False, post_add: Tensor | None = None) -> Tensor:
+    """kernels.layer_norm: LayerNorm (RMSNorm with rms) of each row of x [M, D], plus post_add[m % R] on row m."""
     if torch.compiler.is_compiling():
-        return _layer_norm(x, weight, bias, eps, tf32_output, rms)
-    return kernels.layer_norm(x, weight, bias, eps, rms=rms, tf32_output=tf32_output)
+        return _layer_norm(x, weight, bias, eps, tf32_output, rms, post_add)
+    return kernels.layer_norm(x, weight, bias, eps, rms=rms, tf32_output=tf32_output, post_add=post_add)
 
 
 def linear_partials(x: Tensor, weight: Tensor, bias: Tensor | None, splits: int, *, tf32_input: bool = False) -> Tensor:

@@ -1,5 +1,5 @@
 """layer_norm and add_layer_norm (a split GEMM's partial sums added first) against F.layer_norm, and as RMSNorm
-against F.rms_norm, each with and without bias."""
+against F.rms_norm, each with and without bias; layer_norm with a table added after the norm (post_add)."""
 
 import itertools
 
@@ -77,6 +77,29 @@ def test_rms_and_bias_free(dtype, rms, bias, m, d, eps):
     x, w, b = inputs(m, d, dtype)
     b = b if bias else None
     check(layer_norm(x, w, b, eps, rms=rms), torch_norm(eps, rms), x, w, b)
+
+
+@each_dtype
+@pytest.mark.parametrize("rms, bias, m, rows, d", [(True, False, 45, 15, 45), (False, True, 74, 37, 769),
+                                                  (True, True, 5, 1, 1000)], ids=["rms", "layer", "rms-bias-one-row"])
+def test_post_add(dtype, rms, bias, m, rows, d):
+    # A table of `rows` rows added after the norm to each group of `rows` rows of x (a position table per image).
+    x, w, b = inputs(m, d, dtype)
+    b = b if bias else None
+    table = rand(rows, d, dtype=dtype)
+    check(layer_norm(x, w, b, 1e-6, rms=rms, post_add=table),
+          lambda x, w, b, t: torch_norm(1e-6, rms)(x, w, b) + t.repeat(m // rows, 1), x, w, b, table)
+
+
+@pytest.mark.parametrize("post_add, message", [
+    (empty(4, 12), "post_add must be [R, 12] with R dividing the 6 rows of x, got shape (4, 12)"),
+    (empty(3, 11), "post_add must be [R, 12] with R dividing the 6 rows of x, got shape (3, 11)"),
+    (empty(3, 12, dtype=torch.bfloat16), "post_add must be torch.float32, got torch.bfloat16"),
+])
+def test_post_add_bad_input(post_add, message):
+    x, w, b = inputs(6, 12, torch.float32)
+    with raises_value_error(message):
+        layer_norm(x, w, b, 1e-6, post_add=post_add)
 
 
 def add_then(fn):

@@ -69,14 +69,18 @@ def forward_costs(cfg: ViTConfig, batch: int, elem: int) -> list[KernelCost]:
     pos = (t if cfg.pos_embed_prefix else cfg.num_patches) * d if cfg.abs_pos_embed else 0
     rms = cfg.norm == "rmsnorm"
 
-    def ln(name, rows, count=1, width=d):
+    def ln(name, rows, count=1, width=d, post_add=0):   # post_add: the rows of a table added after the norm
         return KernelCost(name, "layer_norm", f"{rows}x{width}", 8 * rows * width,
-                          (2 * rows * width + (1 if rms else 2) * width) * elem, count, dict(m=rows, d=width, rms=rms))
+                          (2 * rows * width + (1 if rms else 2) * width + post_add * width) * elem, count,
+                          dict(m=rows, d=width, rms=rms, post_add=post_add))
 
+    # With embed_norm (AIMv2) the norm of the patch embeddings adds the position table, not patch_embed.
     costs = [KernelCost("patch_embed", "patch_embed", f"{batch}x{cfg.in_chans}x{cfg.image_size}^2 -> {t}x{d}",
                         2 * batch * cfg.num_patches * d * k_patch,
-                        (pixels + d * k_patch + m * d + pos + cfg.num_prefix_tokens * d) * elem,
-                        dims=dict(batch=batch))]
+                        (pixels + d * k_patch + m * d + (0 if cfg.embed_norm else pos) + cfg.num_prefix_tokens * d)
+                        * elem, dims=dict(batch=batch))]
+    if cfg.embed_norm:
+        costs.append(ln("layer_norm embed", m, post_add=cfg.num_patches))
     if cfg.pre_norm:
         costs.append(ln("layer_norm pre", m))
     costs += [

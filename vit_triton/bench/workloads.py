@@ -56,13 +56,15 @@ def forward_workloads(cfg: ViTConfig, batch: int, dtype: torch.dtype, device: to
                       rand(cfg.num_prefix_tokens, d) if cfg.num_prefix_tokens else None)
             return Workload(c, patch_embed, patch_embed_torch, inputs)
         if c.kind == "layer_norm":
-            width, rms = c.dims["d"], c.dims["rms"]
+            width, rms, rows = c.dims["d"], c.dims["rms"], c.dims["post_add"]
             inputs = (rand(c.dims["m"], width, scale=2.0, shift=0.5), rand(width, scale=0.5, shift=1.0),
-                      None if rms else rand(width))
+                      None if rms else rand(width), rand(rows, width) if rows else None)
 
-            def ln_torch(x, w, b):
-                return F.rms_norm(x, (width,), w, eps) if rms else F.layer_norm(x, (width,), w, b, eps)
-            return Workload(c, lambda x, w, b: layer_norm(x, w, b, eps, rms=rms), ln_torch, inputs)
+            def ln_torch(x, w, b, table):
+                y = F.rms_norm(x, (width,), w, eps) if rms else F.layer_norm(x, (width,), w, b, eps)
+                return y if table is None else y + table.repeat(x.shape[0] // rows, 1)
+            return Workload(c, lambda x, w, b, table: layer_norm(x, w, b, eps, rms=rms, post_add=table), ln_torch,
+                            inputs)
         if c.kind == "linear":
             m, n, k, act = c.dims["m"], c.dims["n"], c.dims["k"], c.dims["act"]
             inputs = (rand(m, k), rand(n, k, scale=k ** -0.5), rand(n) if c.dims["bias"] else None,

@@ -2,8 +2,8 @@
 
 Two conventions, as the libraries implement them:
 
-- transformers (ViT, DeiT, CLIP, BiT (DINOv2's) and SigLIP image processors, with the torchvision backend that
-  AutoImageProcessor picks in transformers 5): the uint8 image is resized by torch's antialiased
+- transformers (ViT, DeiT, CLIP (AIMv2's too), BiT (DINOv2's) and SigLIP image processors, with the torchvision
+  backend that AutoImageProcessor picks in transformers 5): the uint8 image is resized by torch's antialiased
   `interpolate` (in uint8 where torchvision does so, else in float32 then rounded), center-cropped
   with the offset rounded down, and normalized as (x - mean/rescale) / (std/rescale) in float32.
 - timm (`create_transform(**resolve_data_config(...))`, the eval transform): Pillow resizes the
@@ -64,7 +64,8 @@ _HF_PROCESSORS = {
 }
 # The processor a transformers architecture gets without a preprocessor_config.json, by name prefix.
 _HF_DEFAULT_PROCESSORS = {"DeiT": "DeiTImageProcessor", "CLIP": "CLIPImageProcessor", "Dinov2": "BitImageProcessor",
-                          "Siglip": "SiglipImageProcessor", "DINOv3": "DINOv3ViTImageProcessor"}
+                          "Siglip": "SiglipImageProcessor", "DINOv3": "DINOv3ViTImageProcessor",
+                          "Aimv2": "CLIPImageProcessor"}
 OPEN_CLIP_RESIZE_MODES = ("shortest", "squash")
 _HF_COMMON = dict(do_rescale=True, rescale_factor=1 / 255, do_normalize=True,
                   image_mean=IMAGENET_STANDARD_MEAN, image_std=IMAGENET_STANDARD_STD)

@@ -1,5 +1,6 @@
 """HuggingFace transformers vision encoders -> vit-triton: ViT, DeiT, DINOv2 (with registers), DINOv3, CLIP's
-vision tower (with its projection), SigLIP's (with its attention-pool head), ViT-MAE's encoder.
+vision tower (with its projection), SigLIP's (with its attention-pool head), ViT-MAE's encoder, AIMv2's vision
+tower (with its attention-pool head and, in an Aimv2Model, its projection).
 
 Keys come in the hub's spellings (transformers 4: encoder.layer.N.attention.attention.query,
 intermediate.dense, output.dense, ...; CLIP's encoder.layers.N.self_attn.q_proj, layer_norm1, ...) and in
@@ -7,7 +8,8 @@ transformers 5's (layers.N.attention.q_proj, mlp.fc1, ...). All map here. q, k a
 QKV weight (a bias left out, as DINOv3's key bias, is zero); DINOv2's and DINOv3's LayerScale is folded into the
 layer before it; a gated MLP (DINOv3's gate_proj and up_proj, DINOv2 ViT-g's packed weights_in) becomes one fc1
 with gate and value rows interleaved; SigLIP's head (probe, attention.in_proj,
-out_proj, layernorm, mlp) becomes attn_pool (latent, q and kv, proj, norm, mlp). Not part of our forward:
+out_proj, layernorm, mlp) becomes attn_pool (latent, q and kv, proj, norm, mlp); AIMv2's (cls_token, k_proj and
+v_proj, output_proj) attn_pool's latent, kv and proj, and its embeddings' rms_norm embed_norm. Not part of our forward:
 ViTModel's pooler (dense + tanh over the class token), mask tokens, the text tower of a CLIPModel or SiglipModel
 checkpoint and ViT-MAE's decoder. DeiT is ViT with a distillation token after the class token, and with a
 teacher, a second classifier on it (cls_classifier -> head, distillation_classifier -> head_dist).
@@ -32,13 +34,16 @@ ARCHITECTURES = {
     "CLIPModel": "clip",
     "SiglipVisionModel": "siglip_vision_model", "SiglipModel": "siglip",
     "ViTMAEModel": "vit_mae", "ViTMAEForPreTraining": "vit_mae",
+    "Aimv2VisionModel": "aimv2_vision_model", "Aimv2Model": "aimv2",
 }
+# Models of two towers, whose config.json describes the vision encoder in its vision_config.
+_TWO_TOWERS = ("clip", "siglip", "aimv2")
 HF_ARCHITECTURES = tuple(ARCHITECTURES)
 # How each resamples its position embedding for another input size (interpolate_pos_encoding); the rest: bicubic
 # in the table's dtype.
 _POS_RESAMPLES = {"dinov2": "bicubic_float32", "dinov2_with_registers": "bicubic_float32_antialias"}
 # What each returns as the image embedding (ViT.embedding): CLIP's projected class token where it has one.
-_PROJECTED = ("CLIPVisionModelWithProjection", "CLIPModel")
+_PROJECTED = ("CLIPVisionModelWithProjection", "CLIPModel", "Aimv2Model")
 
 _LAYER = r"(?:encoder\.layers?|layers|(?:model\.)?layer)\.(\d+)\."
 _ATTENTION = r"(?:attention\.(?:attention\.)?|self_attn\.)"
@@ -48,22 +53,26 @@ _RULES = [(r"(?:vit\.|deit\.|dinov2\.|vision_model\.)?" + pattern, repl) for pat
     (r"embeddings\.distillation_token", "distillation_token"),
     (r"embeddings\.register_tokens", "reg_token"),
     (r"embeddings\.(?:position_embeddings|position_embedding\.weight)", "pos_embed"),
-    (r"embeddings\.(?:patch_embeddings\.projection|patch_embeddings?)\.(weight|bias)", r"patch_embed.\1"),
+    (r"embeddings\.(?:patch_embeddings\.projection|patch_embeddings?|patch_embed)\.(weight|bias)", r"patch_embed.\1"),
+    (r"embeddings\.rms_norm\.weight", "embed_norm.weight"),
     (r"pre_layrnorm\.(weight|bias)", r"norm_pre.\1"),
     (_LAYER + _ATTENTION + r"(?:query|q_proj)\.(weight|bias)", r"blocks.\1.q.\2"),
     (_LAYER + _ATTENTION + r"(?:key|k_proj)\.(weight|bias)", r"blocks.\1.k.\2"),
     (_LAYER + _ATTENTION + r"(?:value|v_proj)\.(weight|bias)", r"blocks.\1.v.\2"),
-    (_LAYER + r"(?:attention\.output\.dense|attention\.o_proj|self_attn\.out_proj)\.(weight|bias)",
+    (_LAYER + r"(?:attention\.output\.dense|attention\.o_proj|attention\.out_proj|self_attn\.out_proj)\.(weight|bias)",
      r"blocks.\1.proj.\2"),
-    (_LAYER + r"(?:layernorm_before|norm1|layer_norm1)\.(weight|bias)", r"blocks.\1.norm1.\2"),
-    (_LAYER + r"(?:layernorm_after|norm2|layer_norm2)\.(weight|bias)", r"blocks.\1.norm2.\2"),
+    (_LAYER + r"(?:layernorm_before|norm1|layer_norm1|rms_norm1)\.(weight|bias)", r"blocks.\1.norm1.\2"),
+    (_LAYER + r"(?:layernorm_after|norm2|layer_norm2|rms_norm2)\.(weight|bias)", r"blocks.\1.norm2.\2"),
     (_LAYER + r"(?:intermediate\.dense|mlp\.fc1|mlp\.weights_in)\.(weight|bias)", r"blocks.\1.fc1.\2"),
-    (_LAYER + r"(?:output\.dense|mlp\.fc2|mlp\.down_proj|mlp\.weights_out)\.(weight|bias)", r"blocks.\1.fc2.\2"),
-    (_LAYER + r"mlp\.gate_proj\.(weight|bias)", r"blocks.\1.gate.\2"),
-    (_LAYER + r"mlp\.up_proj\.(weight|bias)", r"blocks.\1.up.\2"),
+    (_LAYER + r"(?:output\.dense|(?:mlp|ffn)\.fc2|(?:mlp|ffn)\.down_proj|mlp\.weights_out)\.(weight|bias)",
+     r"blocks.\1.fc2.\2"),
+    (_LAYER + r"(?:mlp|ffn)\.gate_proj\.(weight|bias)", r"blocks.\1.gate.\2"),
+    (_LAYER + r"(?:mlp|ffn)\.up_proj\.(weight|bias)", r"blocks.\1.up.\2"),
     (_LAYER + r"layer_scale([12])\.lambda1", r"blocks.\1.ls\2"),
-    (r"(?:layernorm|post_layernorm|norm)\.(weight|bias)", r"norm.\1"),
-    (r"head\.probe", "attn_pool.latent"),
+    (r"(?:layernorm|post_layernorm|norm|rms_norm)\.(weight|bias)", r"norm.\1"),
+    (r"head\.(?:probe|cls_token)", "attn_pool.latent"),
+    (r"head\.([kv])_proj\.(weight|bias)", r"attn_pool.\1.\2"),
+    (r"head\.output_proj\.(weight|bias)", r"attn_pool.proj.\1"),
     (r"head\.attention\.in_proj_(weight|bias)", r"attn_pool.in_proj.\1"),
     (r"head\.attention\.out_proj\.(weight|bias)", r"attn_pool.proj.\1"),
     (r"head\.layernorm\.(weight|bias)", r"attn_pool.norm.\1"),
@@ -78,10 +87,10 @@ _UNUSED = [(r"(?:vit\.|deit\.|dinov2\.|vision_model\.)?(?:pooler\.dense\.(?:weig
 
 
 def vision_config(config: dict) -> dict:
-    """The vision encoder's part of a config.json: a CLIPModel's or SiglipModel's vision_config (with CLIP's
-    projection width), else the config itself."""
+    """The vision encoder's part of a config.json: a CLIPModel's, SiglipModel's or Aimv2Model's vision_config (with
+    the projection width), else the config itself."""
     model_type = config.get("model_type")
-    if model_type in ("clip", "siglip"):
+    if model_type in _TWO_TOWERS:
         vision = config["vision_config"]
         return {**vision, "model_type": f"{model_type}_vision_model",
                 "projection_dim": config.get("projection_dim", vision.get("projection_dim"))}
@@ -95,12 +104,14 @@ def hf_config_to_vit(config: dict, num_classes: int = 0, head_dist: bool = False
     and whether the image embedding is projected (CLIP with projection) are separate."""
     config = vision_config(config)
     model_type = config.get("model_type")
-    families = sorted(set(ARCHITECTURES.values()) - {"clip", "siglip"})
+    families = sorted(set(ARCHITECTURES.values()) - set(_TWO_TOWERS))
     if model_type not in families:
         raise ValueError(f"unsupported HuggingFace model_type {model_type!r}; supported: "
                          f"{', '.join(map(repr, families))}")
     if model_type == "dinov3_vit":
         return _dinov3_config(config)
+    if model_type == "aimv2_vision_model":
+        return _aimv2_config(config, projection)
     clip, dinov2, siglip = (model_type == "clip_vision_model", model_type.startswith("dinov2"),
                             model_type == "siglip_vision_model")
     act = config.get("hidden_act", "quick_gelu" if clip else "gelu")
@@ -154,6 +165,32 @@ def _dinov3_config(config: dict) -> ViTConfig:
     )
 
 
+def _aimv2_config(config: dict, projection: bool) -> ViTConfig:
+    """Aimv2VisionModel (transformers' defaults where config.json leaves them out): RMSNorm throughout, the patch
+    embeddings normalised before the position table is added (learned; is_native: sin-cos, built for each grid), no
+    class token, a gated MLP, and the attention's four projections with a bias only if qkv_bias. pooler_output is
+    the head's (use_head): the learned query itself against k_proj and v_proj, then output_proj; without the head
+    there is none, and we pool the mean of last_hidden_state, as timm's AIMv2 does. transformers runs its learned
+    table at its own grid only; at another one we resample it as timm does the same checkpoints' table."""
+    act, use_head = config.get("hidden_act", "silu"), config.get("use_head", True)
+    if act != "silu":
+        raise ValueError(f"unsupported hidden_act {act!r} for AIMv2's gated MLP; supported: silu")
+    if projection and not use_head:
+        raise ValueError("unsupported use_head=False in an Aimv2Model: its image embedding projects the output of "
+                         "the attention-pool head")
+    qkv_bias = config.get("qkv_bias", False)
+    return ViTConfig(
+        image_size=square(config.get("image_size", 224), "image_size"),
+        patch_size=square(config.get("patch_size", 14), "patch_size"), in_chans=config.get("num_channels", 3),
+        embed_dim=config["hidden_size"], depth=config["num_hidden_layers"], num_heads=config["num_attention_heads"],
+        mlp_dim=config["intermediate_size"], qkv_bias=qkv_bias, norm_eps=config.get("rms_norm_eps", 1e-5),
+        act="swiglu", class_token=False, norm="rmsnorm", proj_bias=qkv_bias, mlp_bias=config.get("mlp_bias", False),
+        embed_norm=True, pos_sincos=config.get("is_native", False), pos_resample="bicubic_float32_antialias",
+        proj_dim=config["projection_dim"] if projection else 0,
+        **(dict(pool="map", pool_query_proj=False, pool_mlp=False) if use_head else dict(pool="avg")),
+    )
+
+
 def hf_num_classes(state_dict: dict[str, torch.Tensor]) -> int:
     """Rows of the classifier (ViTForImageClassification, DeiT's), 0 for a model without one."""
     head = state_dict.get("classifier.weight", state_dict.get("cls_classifier.weight"))
@@ -192,6 +229,9 @@ def hf_state_dict_to_vit(state_dict: dict[str, torch.Tensor], cfg: ViTConfig,
     mapped.fold_layer_scale(cfg.depth)
     mapped.split("attn_pool.in_proj.weight", ["attn_pool.q.weight", "attn_pool.kv.weight"], d)
     mapped.split("attn_pool.in_proj.bias", ["attn_pool.q.bias", "attn_pool.kv.bias"], d)
+    if cfg.pool == "map" and not cfg.pool_query_proj:   # AIMv2's head: k_proj and v_proj, no query projection
+        mapped.concat("attn_pool.kv.weight", ["attn_pool.k.weight", "attn_pool.v.weight"], shape=(d, d))
+        mapped.concat("attn_pool.kv.bias", ["attn_pool.k.bias", "attn_pool.v.bias"], shape=(d,))
     mapped.reshape("attn_pool.latent", -1, d)
     if cfg.fc_norm:   # CLIP's post_layernorm
         mapped.move("norm", "fc_norm")
@@ -211,7 +251,7 @@ def hf_architecture_to_vit(architecture: str, config: dict, state_dict: dict[str
 
 def from_hf(module: torch.nn.Module) -> ViT:
     """vit-triton model with the weights, device and dtype of a transformers model (one of HF_ARCHITECTURES;
-    a CLIPModel gives its vision tower and projection)."""
+    a CLIPModel or Aimv2Model gives its vision tower and projection)."""
     name = type(module).__name__
     if name not in ARCHITECTURES:
         raise ValueError(f"from_hf takes a transformers {', '.join(HF_ARCHITECTURES)}, got {name}")

@@ -26,8 +26,8 @@ from .timm import timm_config_to_vit, timm_state_dict_to_vit
 
 __all__ = ["CheckpointInfo", "CheckpointNotFound", "SUPPORTED", "from_pretrained", "read_checkpoint"]
 
-TIMM_ARCHITECTURES = ("timm VisionTransformer and VisionTransformerDistilled (vit_*, deit_*, deit3_*), Eva (eva02_*, "
-                      "vit_*_rope_*, vit_*_dinov3)")
+TIMM_ARCHITECTURES = ("timm VisionTransformer and VisionTransformerDistilled (vit_*, deit_*, deit3_*, aimv2_*), Eva "
+                      "(eva02_*, vit_*_rope_*, vit_*_dinov3)")
 SUPPORTED = f"transformers {', '.join(HF_ARCHITECTURES)}; {TIMM_ARCHITECTURES}; OpenCLIP ViT towers"
 
 
@@ -115,7 +115,6 @@ _TIMM_UNSUPPORTED = {
     r"blocks\.\d+\.attn\.[qk]_norm\..*": "qk_norm",
     r"blocks\.\d+\.(attn|mlp)\.norm\..*": "attention or MLP scale norms",
     r"attn_pool\.(?:q_norm\..*|k_norm\..*|pos_embed)": "an attention pool with qk_norm or pos_embed",
-    r"patch_embed\.norm\..*": "a norm layer in the patch embedding",
     r"patch_embed\.backbone\..*": "a hybrid CNN stem",
 }
 
@@ -147,7 +146,8 @@ def _timm_eva(architecture: str, config: dict) -> ViTConfig | None:
 def _timm(source: str, config: dict, state_dict: dict):
     architecture = config["architecture"]
     cfg = _timm_eva(architecture, config)
-    if cfg is None and (not re.match(r"(vit|deit3?)_", architecture) or "patch_embed.proj.weight" not in state_dict):
+    if cfg is None and (not re.match(r"(vit|deit3?|aimv2)_", architecture)
+                        or "patch_embed.proj.weight" not in state_dict):
         raise _unsupported(f"{architecture} (timm)")
     found = {what for pattern, what in _TIMM_UNSUPPORTED.items() for k in state_dict if re.fullmatch(pattern, k)}
     if cfg is None and found:
@@ -159,7 +159,8 @@ def _timm(source: str, config: dict, state_dict: dict):
 
 
 def _timm_config(architecture: str, config: dict, sd: dict) -> ViTConfig:
-    """ViTConfig of a timm ViT checkpoint from its tensors' shapes, model_args and the architecture name."""
+    """ViTConfig of a timm ViT checkpoint from its tensors' shapes, model_args and the architecture name: bias-free
+    norms are RmsNorm (AIMv2's; timm's VisionTransformers with LayerNorm all have its bias)."""
     args = config.get("model_args") or {}
     embed_dim, in_chans, patch, _ = sd["patch_embed.proj.weight"].shape
     depth = 1 + max((int(m.group(1)) for k in sd if (m := re.match(r"blocks\.(\d+)\.", k))), default=-1)
@@ -179,8 +180,10 @@ def _timm_config(architecture: str, config: dict, sd: dict) -> ViTConfig:
         pos_embed_prefix = args.get("no_embed_class") is not True and round((pos - prefix) ** 0.5) ** 2 == pos - prefix
         size = round((pos - prefix * pos_embed_prefix) ** 0.5) * patch
     act = args.get("act_layer") or ("quick_gelu" if "quickgelu" in architecture else "gelu")
-    # fc1 twice as tall as fc2 is wide: SwiGLUPacked (DINOv2 ViT-g/14), gate then value, SiLU
-    gated = depth and sd["blocks.0.mlp.fc1.weight"].shape[0] == 2 * sd["blocks.0.mlp.fc2.weight"].shape[1]
+    # SwiGLU's fc1_g and fc1_x (AIMv2), or an fc1 twice as tall as fc2 is wide: SwiGLUPacked (DINOv2 ViT-g/14), gate
+    # then value; SiLU either way
+    gated = depth and ("blocks.0.mlp.fc1_g.weight" in sd
+                       or sd["blocks.0.mlp.fc1.weight"].shape[0] == 2 * sd["blocks.0.mlp.fc2.weight"].shape[1])
     if not gated and act not in _TIMM_ACTIVATIONS:
         raise ValueError(f"unsupported timm act_layer {act!r}; supported: {', '.join(_TIMM_ACTIVATIONS)}")
     pool = config.get("global_pool", args.get("global_pool", "map" if "attn_pool.latent" in sd
@@ -193,13 +196,17 @@ def _timm_config(architecture: str, config: dict, sd: dict) -> ViTConfig:
         num_heads=args.get("num_heads") or _TIMM_HEADS.get(embed_dim, max(embed_dim // 64, 1)),
         mlp_dim=sd["blocks.0.mlp.fc2.weight"].shape[1] if depth else 4 * embed_dim,
         qkv_bias="blocks.0.attn.qkv.bias" in sd,
-        norm_eps=1e-5 if "_clip_" in architecture else 1e-6,  # CLIP towers use nn.LayerNorm's default
+        # CLIP towers use nn.LayerNorm's default, AIMv2's RmsNorm the same
+        norm_eps=1e-5 if "_clip_" in architecture or architecture.startswith("aimv2_") else 1e-6,
         act="swiglu" if gated else _TIMM_ACTIVATIONS[act], class_token=class_token, dist_token=dist_token,
         reg_tokens=reg_tokens,
         pos_embed_prefix=pos_embed_prefix, patch_bias="patch_embed.proj.bias" in sd,
         pre_norm="norm_pre.weight" in sd, final_norm="norm.weight" in sd or "fc_norm.weight" in sd,
         fc_norm="fc_norm.weight" in sd, pool=pool, num_classes=num_classes, head_dist="head_dist.weight" in sd,
         pos_resample="bicubic_float32_antialias",
+        norm="rmsnorm" if "blocks.0.norm1.weight" in sd and "blocks.0.norm1.bias" not in sd else "layernorm",
+        proj_bias="blocks.0.attn.proj.bias" in sd, mlp_bias="blocks.0.mlp.fc2.bias" in sd,
+        embed_norm="patch_embed.norm.weight" in sd,
     )
 
 

@@ -1,8 +1,9 @@
-"""timm VisionTransformer (and DeiT's VisionTransformerDistilled) and Eva (EVA02, the RoPE ViTs, DINOv3) ->
-vit-triton.
+"""timm VisionTransformer (and DeiT's VisionTransformerDistilled; AIMv2's, with RmsNorm, SwiGLU and a norm in the
+patch embedding) and Eva (EVA02, the RoPE ViTs, DINOv3) -> vit-triton.
 
 timm's names are ours but for the nesting (attn.qkv -> qkv, mlp.fc1 -> fc1, patch_embed.proj ->
-patch_embed), the prefix tokens (cls_token, dist_token and reg_token become the rows of prefix_tokens) and
+patch_embed, patch_embed.norm -> embed_norm), the prefix tokens (cls_token, dist_token and reg_token become the
+rows of prefix_tokens) and
 the leading batch dimension of pos_embed. LayerScale (ls1, ls2: DeiT III, DINOv2; Eva's gamma_1, gamma_2) is
 folded into the layer before it. Eva's separate q, k, v projections (or q_bias and v_bias beside a bias-free qkv)
 join into one qkv with k's bias zero; a gated MLP's two halves (GluMlp's packed fc1, gate first, or SwiGLU's fc1_g
@@ -20,6 +21,7 @@ from .common import Mapped, build
 
 _RULES = [
     (r"patch_embed\.proj\.(weight|bias)", r"patch_embed.\1"),
+    (r"patch_embed\.norm\.(weight|bias)", r"embed_norm.\1"),
     (r"(cls_token|dist_token|reg_token|pos_embed)", r"\1"),
     (r"blocks\.(\d+)\.attn\.(qkv|proj)\.(weight|bias)", r"blocks.\1.\2.\3"),
     (r"blocks\.(\d+)\.mlp\.(fc1|fc2)\.(weight|bias)", r"blocks.\1.\2.\3"),
@@ -63,8 +65,21 @@ def _is_swiglu_packed(mlp: nn.Module) -> bool:
     return type(mlp).__name__ == "GluMlp" and not mlp.gate_last and type(mlp.act).__name__ == "SiLU"
 
 
-def _is_layer_norm(m: nn.Module) -> bool:
-    return isinstance(m, nn.LayerNorm)
+def _mlp_act(mlp: nn.Module, model: str) -> str:
+    """The config's act of a timm MLP: "swiglu" for SwiGLUPacked and SwiGLU (whose gate must be SiLU), else the
+    activation of an Mlp."""
+    if type(mlp).__name__ == "SwiGLU" and type(mlp.act).__name__ != "SiLU":
+        raise ValueError(f"unsupported timm {model} gated MLP activation {type(mlp.act).__name__} (supported: SiLU)")
+    return "swiglu" if type(mlp).__name__ == "SwiGLU" or _is_swiglu_packed(mlp) else _activation(mlp.act)
+
+
+def _norm_kind(m: nn.Module) -> str | None:
+    """ViTConfig.norm of a timm norm layer: "layernorm", "rmsnorm", or None for another kind."""
+    return "layernorm" if isinstance(m, nn.LayerNorm) else "rmsnorm" if type(m).__name__ == "RmsNorm" else None
+
+
+def _is_norm(m: nn.Module) -> bool:
+    return _norm_kind(m) is not None
 
 
 def timm_config_to_vit(module: nn.Module) -> ViTConfig:
@@ -77,8 +92,11 @@ def timm_config_to_vit(module: nn.Module) -> ViTConfig:
     distilled = type(module).__name__ == "VisionTransformerDistilled"
     block = module.blocks[0]
     pe = module.patch_embed
-    other_norms = {type(n).__name__ for n in (block.norm1, block.norm2, module.norm_pre, module.norm, module.fc_norm)
-                   if not isinstance(n, (nn.LayerNorm, nn.Identity))}
+    embed_norm = getattr(pe, "norm", nn.Identity())
+    norms = [n for n in (block.norm1, block.norm2, module.norm_pre, module.norm, module.fc_norm, embed_norm)
+             if not isinstance(n, nn.Identity)]
+    other_norms = {type(n).__name__ for n in norms if not _is_norm(n)}
+    kinds = {_norm_kind(n) for n in norms} - {None}
     unsupported = {
         f"global_pool {module.global_pool!r} (supported: {', '.join(_POOLS)})": module.global_pool not in _POOLS,
         "an attention pool other than one learned query (latent_len, qk_norm, pos_embed, pool_type)":
@@ -87,12 +105,11 @@ def timm_config_to_vit(module: nn.Module) -> ViTConfig:
         "attention or MLP scale norms": not isinstance(getattr(block.attn, "norm", nn.Identity()), nn.Identity)
         or not isinstance(getattr(block.mlp, "norm", nn.Identity()), nn.Identity),
         f"block type {type(block).__name__} (supported: Block)": type(block).__name__ != "Block",
-        f"MLP type {type(block.mlp).__name__} (supported: Mlp, SwiGLUPacked)": not (
-            type(block.mlp).__name__ == "Mlp" or _is_swiglu_packed(block.mlp)),
-        f"norm layer {', '.join(sorted(other_norms))} (supported: LayerNorm)": bool(other_norms),
-        "proj_bias=False (projections without bias)": block.attn.proj.bias is None or block.mlp.fc2.bias is None,
+        f"MLP type {type(block.mlp).__name__} (supported: Mlp, SwiGLUPacked, SwiGLU)": not (
+            type(block.mlp).__name__ in ("Mlp", "SwiGLU") or _is_swiglu_packed(block.mlp)),
+        f"norm layer {', '.join(sorted(other_norms))} (supported: LayerNorm, RmsNorm)": bool(other_norms),
+        "LayerNorm and RmsNorm in one model": len(kinds) > 1,
         "no position embedding": module.pos_embed is None,
-        "a norm layer in the patch embedding": not isinstance(getattr(pe, "norm", nn.Identity()), nn.Identity),
         "pool_include_prefix": getattr(module, "pool_include_prefix", False),
         "a non-square img_size or patch_size (the checkpoint's own grid must be square; inputs of any size run)":
         pe.img_size[0] != pe.img_size[1] or pe.patch_size[0] != pe.patch_size[1],
@@ -104,14 +121,15 @@ def timm_config_to_vit(module: nn.Module) -> ViTConfig:
         image_size=pe.img_size[0], patch_size=pe.patch_size[0], in_chans=pe.proj.in_channels,
         embed_dim=module.embed_dim, depth=len(module.blocks), num_heads=block.attn.num_heads,
         mlp_dim=block.mlp.fc2.in_features, qkv_bias=block.attn.qkv.bias is not None, norm_eps=block.norm1.eps,
-        act="swiglu" if _is_swiglu_packed(block.mlp) else _activation(block.mlp.act),
-        class_token=module.cls_token is not None,
+        act=_mlp_act(block.mlp, "VisionTransformer"), class_token=module.cls_token is not None,
         reg_tokens=module.num_reg_tokens, pos_embed_prefix=not module.no_embed_class,
-        patch_bias=pe.proj.bias is not None, pre_norm=_is_layer_norm(module.norm_pre),
-        final_norm=_is_layer_norm(module.norm) or _is_layer_norm(module.fc_norm),
-        fc_norm=_is_layer_norm(module.fc_norm), pool=module.global_pool, num_classes=module.num_classes,
+        patch_bias=pe.proj.bias is not None, pre_norm=_is_norm(module.norm_pre),
+        final_norm=_is_norm(module.norm) or _is_norm(module.fc_norm),
+        fc_norm=_is_norm(module.fc_norm), pool=module.global_pool, num_classes=module.num_classes,
         dist_token=distilled, head_dist=distilled and module.num_classes > 0,
         pos_resample="bicubic_float32_antialias",   # resample_abs_pos_embed, as dynamic_img_size runs it
+        norm=kinds.pop() if kinds else "layernorm", proj_bias=block.attn.proj.bias is not None,
+        mlp_bias=block.mlp.fc2.bias is not None, embed_norm=_is_norm(embed_norm),
     )
 
 
@@ -171,19 +189,14 @@ def _eva_config(module: nn.Module) -> ViTConfig:
     found = [what for what, present in unsupported.items() if present]
     if found:
         raise ValueError(f"unsupported timm Eva feature: {'; '.join(found)}")
-    gated = mlp_type != "Mlp"
-    act = "swiglu" if gated else _activation(mlp.act)
-    if gated and type(mlp.act).__name__ != "SiLU":
-        raise ValueError(f"unsupported timm Eva gated MLP activation {type(mlp.act).__name__} (supported: SiLU)")
-    mlp_dim = mlp.fc2.in_features
     return ViTConfig(
         image_size=pe.img_size[0], patch_size=pe.patch_size[0], in_chans=pe.proj.in_channels,
-        embed_dim=module.embed_dim, depth=len(module.blocks), num_heads=attn.num_heads, mlp_dim=mlp_dim,
-        qkv_bias=qkv_bias, norm_eps=block.norm1.eps, act=act, class_token=module.cls_token is not None,
+        embed_dim=module.embed_dim, depth=len(module.blocks), num_heads=attn.num_heads, mlp_dim=mlp.fc2.in_features,
+        qkv_bias=qkv_bias, norm_eps=block.norm1.eps, act=_mlp_act(mlp, "Eva"), class_token=module.cls_token is not None,
         reg_tokens=0 if module.reg_token is None else module.reg_token.shape[1],
         pos_embed_prefix=not module.no_embed_class, patch_bias=pe.proj.bias is not None,
-        pre_norm=_is_layer_norm(module.norm_pre), final_norm=_is_layer_norm(module.norm) or _is_layer_norm(
-            module.fc_norm), fc_norm=_is_layer_norm(module.fc_norm), pool=module.global_pool,
+        pre_norm=_is_norm(module.norm_pre), final_norm=_is_norm(module.norm) or _is_norm(module.fc_norm),
+        fc_norm=_is_norm(module.fc_norm), pool=module.global_pool,
         num_classes=module.num_classes, pos_resample="bicubic_float32_antialias",
         abs_pos_embed=module.pos_embed is not None, proj_bias=attn.proj.bias is not None,
         mlp_bias=mlp.fc2.bias is not None, mlp_norm=not isinstance(getattr(mlp, "norm", nn.Identity()), nn.Identity),

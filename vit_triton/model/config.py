@@ -46,6 +46,14 @@ class ViTConfig:
     "rmsnorm" (no bias, no mean subtracted) for every norm of the model. proj_bias, mlp_bias: the attention output
     projection's and the MLP's biases. act "swiglu": a gated MLP, fc2(silu(gate) * value), mlp_dim the gated width;
     mlp_norm adds a norm over that width before fc2 (EVA02's scale_mlp sub-norm).
+    embed_norm: a norm of the patch embeddings before the position embedding is added (AIMv2's: timm's
+    embed_norm_layer, transformers' Aimv2VisionEmbeddings.rms_norm); no prefix tokens. pos_sincos: the absolute
+    position embedding is no parameter but a fixed 2-D sin-cos table built for each patch grid as transformers'
+    AIMv2 (is_native) builds it: [sin(c w) | cos(c w) | sin(r w) | cos(r w)] for the patch at row r and column c,
+    over the D/4 frequencies w_k = 10000^(-k / (D/4)), in float64, then rounded to the model's dtype (no prefix
+    tokens, D a multiple of 4). pool "map" without pool_query_proj: the learned query attends as it is, with no q
+    projection; without pool_mlp: the pool's output is its proj, with no norm and MLP after it (both off:
+    transformers' Aimv2AttentionPoolingHead).
     """
 
     image_size: int = 224
@@ -83,6 +91,10 @@ class ViTConfig:
     proj_bias: bool = True
     mlp_bias: bool = True
     mlp_norm: bool = False
+    embed_norm: bool = False
+    pos_sincos: bool = False
+    pool_query_proj: bool = True
+    pool_mlp: bool = True
 
     def __post_init__(self) -> None:
         if self.image_size < self.patch_size:
@@ -111,6 +123,15 @@ class ViTConfig:
         if self.proj_dim and self.num_classes:
             raise ValueError(f"a model has a classifier or an embedding projection, not both: got num_classes "
                              f"{self.num_classes} and proj_dim {self.proj_dim}")
+        if (self.embed_norm or self.pos_sincos) and self.num_prefix_tokens:
+            raise ValueError(f"embed_norm and pos_sincos cover the patches only: they need no prefix tokens, got "
+                             f"{self.num_prefix_tokens} (class_token, dist_token, reg_tokens)")
+        if self.pos_sincos and (not self.abs_pos_embed or self.embed_dim % 4):
+            raise ValueError(f"pos_sincos needs abs_pos_embed=True and embed_dim a multiple of 4, got abs_pos_embed "
+                             f"{self.abs_pos_embed} and embed_dim {self.embed_dim}")
+        if not (self.pool_query_proj and self.pool_mlp) and self.pool != "map":
+            raise ValueError(f"pool_query_proj and pool_mlp shape the attention pool: pool_query_proj=False or "
+                             f"pool_mlp=False needs pool 'map', got pool {self.pool!r}")
         self._check_rope()
 
     def _check_rope(self) -> None:

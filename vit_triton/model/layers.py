@@ -22,8 +22,10 @@ class LayerNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, **factory))
         self.bias = nn.Parameter(torch.zeros(dim, **factory)) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return layer_norm(x, self.weight, self.bias, self.eps, rms=self.rms, tf32_output=self.tf32_output)
+    def forward(self, x: torch.Tensor, post_add: torch.Tensor | None = None) -> torch.Tensor:
+        """The norm of x [M, D]'s rows; post_add [R, D], R dividing M, is added after it (row m: post_add[m % R])."""
+        return layer_norm(x, self.weight, self.bias, self.eps, rms=self.rms, tf32_output=self.tf32_output,
+                          post_add=post_add)
 
 
 class Linear(nn.Module):

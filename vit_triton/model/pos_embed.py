@@ -2,7 +2,9 @@
 the way the checkpoint's library resamples it, so that the model gives the library's output at any image size.
 
 This is PyTorch code that runs once per grid: `ResampledTables` keeps each resampled table until pos_embed
-changes, and the forward passes it to the patch_embed kernel, which adds it in its epilogue.
+changes, and the forward passes it to the patch_embed kernel, which adds it in its epilogue (or, where the patch
+embeddings are normalised first, to that norm's kernel). AIMv2's native-resolution models have a fixed sin-cos
+table instead, built for each grid (`SincosTables`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,37 @@ def resample(table: torch.Tensor, prefix: int, old_grid: tuple[int, int], new_gr
                             antialias=style == "bicubic_float32_antialias")
     patches = patches.to(table.dtype).permute(0, 2, 3, 1).reshape(-1, dim)
     return torch.cat([table[:prefix], patches])
+
+
+def sincos_table(grid: tuple[int, int], dim: int, device: torch.device | str | None = None,
+                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The fixed 2-D sin-cos position table [rows * cols, dim] of patch grid (rows, cols) (ViTConfig.pos_sincos), as
+    transformers' AIMv2 builds it (build_2d_sinusoidal_position_embedding, then its column-first layout): for
+    the patch at row r and column c, in row-major order, [sin(c w) | cos(c w) | sin(r w) | cos(r w)] with
+    w_k = 1 / 10000^(k / (dim / 4)), computed in float64 on `device`, then rounded to dtype."""
+    quarter = dim // 4
+    omega = 1.0 / 10000.0 ** (torch.arange(quarter, dtype=torch.float64, device=device) / quarter)
+    rows, cols = torch.meshgrid(*(torch.arange(n, dtype=torch.float64, device=device) for n in grid), indexing="ij")
+    by_row, by_col = (t.flatten().outer(omega) for t in (rows, cols))
+    return torch.cat([by_col.sin(), by_col.cos(), by_row.sin(), by_row.cos()], dim=1).to(dtype)
+
+
+class SincosTables:
+    """A model's sin-cos position tables (sincos_table) at every (patch grid, device, dtype) it ran at, each built
+    once and kept, where a CUDA graph captured with it reads it."""
+
+    def __init__(self, dim: int) -> None:
+        self.dim = dim
+        self.tables: dict[tuple, torch.Tensor] = {}
+
+    def __call__(self, grid: tuple[int, int], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        if torch.compiler.is_compiling():   # part of the compiled graph: no Python state to keep
+            return sincos_table(grid, self.dim, device, dtype)
+        key = (tuple(grid), torch.device(device), dtype)
+        if key not in self.tables:
+            with torch.inference_mode(False):   # a normal tensor, even when first built in inference mode
+                self.tables[key] = sincos_table(grid, self.dim, device, dtype)
+        return self.tables[key]
 
 
 def tensor_state(table: torch.Tensor) -> tuple:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import ViTConfig
-from .pos_embed import resample
+from .pos_embed import resample, sincos_table
 from .rope import rope_tables
 
 
@@ -43,9 +43,13 @@ def reference_forward(cfg: ViTConfig, params: dict[str, torch.Tensor], pixels: t
                  stride=cfg.patch_size).flatten(2).transpose(1, 2)
     batch = x.shape[0]
     pos = None
-    if cfg.abs_pos_embed:
+    if cfg.pos_sincos:
+        pos = sincos_table(grid, d, pixels.device, x.dtype)
+    elif cfg.abs_pos_embed:
         pos = resample(p["pos_embed"], cfg.num_prefix_tokens if cfg.pos_embed_prefix else 0, cfg.grid, grid,
                        cfg.pos_resample)
+    if cfg.embed_norm:   # of the patch embeddings, before the position embedding
+        x = norm(x, p, "embed_norm", cfg)
     if pos is not None and not cfg.pos_embed_prefix:
         x = x + pos
     if cfg.num_prefix_tokens:
@@ -95,15 +99,20 @@ def attention_pool_reference(params: dict[str, torch.Tensor], prefix: str, x: to
                              eps: float, act: str) -> torch.Tensor:
     """An attention-pool head (model.attention_pool.AttentionPool, whose parameters are params[prefix + name]) on
     tokens x [B, T, D], as timm's AttentionPoolLatent computes it: every latent query attends to the tokens, then
-    proj, then + mlp(norm); returns latent 0's output [B, D]."""
+    proj, then + mlp(norm); returns latent 0's output [B, D]. Without a q (or mlp) in params, the latent is the
+    query (proj's output is returned), as AIMv2's head does."""
     p = prefix
     batch, tokens, d = x.shape
-    q = F.linear(params[p + "latent"], params[p + "q.weight"], params.get(p + "q.bias"))
+    q = params[p + "latent"]
+    if p + "q.weight" in params:
+        q = F.linear(q, params[p + "q.weight"], params.get(p + "q.bias"))
     q = q.view(1, -1, num_heads, d // num_heads).transpose(1, 2).expand(batch, -1, -1, -1)
     kv = F.linear(x, params[p + "kv.weight"], params.get(p + "kv.bias"))
     k, v = kv.view(batch, tokens, 2, num_heads, d // num_heads).permute(2, 0, 3, 1, 4)
     a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(batch, -1, d)
     x = F.linear(a, params[p + "proj.weight"], params[p + "proj.bias"])
+    if p + "mlp.fc1.weight" not in params:
+        return x[:, 0]
     h = F.layer_norm(x, (d,), params[p + "norm.weight"], params[p + "norm.bias"], eps)
     h = activation(F.linear(h, params[p + "mlp.fc1.weight"], params[p + "mlp.fc1.bias"]), act)
     return (x + F.linear(h, params[p + "mlp.fc2.weight"], params[p + "mlp.fc2.bias"]))[:, 0]

@@ -7,6 +7,8 @@ position embeddings are [T_pos, D] without timm's leading batch dimension.
 Images of any height and width of at least the patch size run: the patch grid is floor(side / patch) (pixels past
 the last whole patch are not read, as the libraries' strided convolution does: SigLIP's 384 px at patch 14), and
 the position embedding is resampled to it as the checkpoint's library does (pos_embed.py, ViTConfig.pos_resample).
+With embed_norm (AIMv2) the patch embeddings are normalised before the position table is added: patch_embed then
+adds only the bias, and the norm's kernel adds the table after normalising.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from ..ops import ResidualStream, fused_attention, patch_embed, token_mean
 from .attention_pool import AttentionPool
 from .config import ViTConfig
 from .layers import LayerNorm, Linear
-from .pos_embed import ResampledTables
+from .pos_embed import ResampledTables, SincosTables
 from .rope import RopeTables
 
 
@@ -84,11 +86,14 @@ class ViT(nn.Module):
         d = cfg.embed_dim
         self.patch_embed = PatchEmbed(cfg, **factory)
         pos_len = cfg.num_tokens if cfg.pos_embed_prefix else cfg.num_patches
-        self.pos_embed = nn.Parameter(torch.empty(pos_len, d, **factory)) if cfg.abs_pos_embed else None
+        learned = cfg.abs_pos_embed and not cfg.pos_sincos
+        self.pos_embed = nn.Parameter(torch.empty(pos_len, d, **factory)) if learned else None
         if self.pos_embed is not None:
             nn.init.trunc_normal_(self.pos_embed, std=0.02)
         self.pos_tables = ResampledTables(cfg.num_prefix_tokens if cfg.pos_embed_prefix else 0, cfg.grid,
                                           cfg.pos_resample)
+        self.sincos_tables = SincosTables(d) if cfg.pos_sincos else None
+        self.embed_norm = norm_layer(cfg, d, **factory) if cfg.embed_norm else None
         self.prefix_tokens = (
             nn.Parameter(torch.zeros(cfg.num_prefix_tokens, d, **factory)) if cfg.num_prefix_tokens else None
         )
@@ -101,7 +106,8 @@ class ViT(nn.Module):
         self.norm = norm_layer(cfg, d, **factory) if cfg.final_norm and not cfg.fc_norm else None
         self.fc_norm = norm_layer(cfg, d, **factory) if cfg.fc_norm else None
         self.attn_pool = (AttentionPool(d, cfg.num_heads, cfg.mlp_dim, cfg.act, cfg.norm_eps, qkv_bias=cfg.qkv_bias,
-                                        **factory) if cfg.pool == "map" else None)
+                                        query_proj=cfg.pool_query_proj, mlp=cfg.pool_mlp, **factory)
+                          if cfg.pool == "map" else None)
         self.head = Linear(d, cfg.num_classes, **factory) if cfg.num_classes else None
         self.head_dist = Linear(d, cfg.num_classes, **factory) if cfg.head_dist else None
         self.proj = Linear(d, cfg.proj_dim, bias=False, **factory) if cfg.proj_dim else None
@@ -150,10 +156,16 @@ class ViT(nn.Module):
         if pixels.shape[0] == 0:   # no image: no kernel has a program to run
             return self.patch_embed.weight.new_empty(0, cfg.num_prefix_tokens + grid[0] * grid[1], cfg.embed_dim)
         pe = self.patch_embed
-        pos = None if self.pos_embed is None else self.pos_tables(self.pos_embed, grid)
-        tokens = patch_embed(pixels, pe.weight, pe.bias, pos, self.prefix_tokens)
+        if self.sincos_tables is not None:
+            pos = self.sincos_tables(grid, pixels.device, pe.weight.dtype)
+        else:
+            pos = None if self.pos_embed is None else self.pos_tables(self.pos_embed, grid)
+        # With embed_norm the table is added after the norm of the patch embeddings, by the norm's kernel.
+        tokens = patch_embed(pixels, pe.weight, pe.bias, pos if self.embed_norm is None else None, self.prefix_tokens)
         batch, num_tokens, d = tokens.shape
         x = tokens.view(batch * num_tokens, d)
+        if self.embed_norm is not None:
+            x = self.embed_norm(x, post_add=pos)
         if self.norm_pre is not None:
             x = self.norm_pre(x)
         x = ResidualStream(x, batch)
