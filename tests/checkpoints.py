@@ -18,17 +18,18 @@ TINY_HF = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, inter
 TINY_TIMM = dict(img_size=32, patch_size=8, depth=2)
 
 
-def hf_model(cls_name: str, seed: int = 0, **kw) -> torch.nn.Module:
-    """A randomized transformers model of TINY_HF's shape (a CLIPModel, SiglipModel or Aimv2Model: its vision
-    tower's, with a small text tower), in eval mode."""
+def hf_model(cls_name: str, seed: int = 0, depth: int = TINY_HF["num_hidden_layers"], **kw) -> torch.nn.Module:
+    """A randomized transformers model of TINY_HF's shape with `depth` blocks (a CLIPModel, SiglipModel or
+    Aimv2Model: its vision tower's, with a small text tower), in eval mode."""
     import transformers
 
     cls = getattr(transformers, cls_name)
+    vision = {**TINY_HF, "num_hidden_layers": depth}
     if cls in (transformers.CLIPModel, transformers.SiglipModel, transformers.Aimv2Model):
         text = dict(hidden_size=32, intermediate_size=40, num_hidden_layers=1, num_attention_heads=2)
-        config = cls.config_class(vision_config=TINY_HF, text_config=text, **kw)
+        config = cls.config_class(vision_config=vision, text_config=text, **kw)
     else:
-        config = cls.config_class(**{**TINY_HF, **kw})
+        config = cls.config_class(**{**vision, **kw})
     return randomize_(cls(config), seed=seed).eval()
 
 

@@ -73,6 +73,8 @@ FAMILIES = {
                                                                                    use_swiglu_ffn=True)),
     "dinov2-registers": (transformers.Dinov2WithRegistersModel, transformers.Dinov2WithRegistersConfig,
                          dict(mlp_ratio=2, num_register_tokens=4, qkv_bias=False)),
+    "dinov2-registers-giant-swiglu": (transformers.Dinov2WithRegistersModel, transformers.Dinov2WithRegistersConfig,
+                                      dict(mlp_ratio=3, use_swiglu_ffn=True, num_register_tokens=4)),
     "clip": (transformers.CLIPVisionModel, transformers.CLIPVisionConfig, dict(intermediate_size=96)),
     "clip-projection": (transformers.CLIPVisionModelWithProjection, transformers.CLIPVisionConfig,
                         dict(intermediate_size=96, projection_dim=40, hidden_act="gelu")),
@@ -97,11 +99,10 @@ def _family_model(family: str) -> torch.nn.Module:
     return cls(config_cls(**TINY_VISION, **kw))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("size", [24, (24, 40)])   # the checkpoint's 3 x 3 patches, and 3 x 5 resampled
-@pytest.mark.parametrize("family, dtype", [(f, torch.float32) for f in FAMILIES]
-                         + [(f, torch.bfloat16) for f in ("dinov2", "dinov2-registers", "clip-projection", "siglip",
-                                                         "vit-mae", "dinov3", "dinov3-gated")])
-def test_from_hf_families_match_transformers(family, dtype, size):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_from_hf_families_match_transformers(family, size, dtype):
     _check_parity(_family_model(family), family_outputs, from_hf, dtype, size)
 
 
@@ -273,12 +274,17 @@ def test_from_timm_with_dynamic_img_size_matches_timm(variant, size, dtype):
     _check_parity(model, _run_timm, from_timm, dtype, SIZES[size])
 
 
-# timm's Eva architectures, shrunk (head dim 32): EVA02 (rotary "axial" on a 16 x 16 reference grid, GluMlp's packed
-# SwiGLU; Base/Large: separate q, k, v and SwiGLU with its sub-norm), the RoPE ViTs (axial with registers and no
-# class token, mixed with learned per-layer frequencies and layer scale), DINOv3 (centered, half pairs, registers,
-# layer scale; the "plus" sizes with SwiGLU).
+# timm's own architectures, shrunk (head dim 32). VisionTransformer: DINOv2 (layer scale; ViT-g/14's packed SwiGLU),
+# CLIP's tower (pre-norm, no patch bias), DeiT III (layer scale, no_embed_class). Eva: EVA02 (rotary "axial" on a
+# 16 x 16 reference grid, GluMlp's packed SwiGLU; Base/Large: separate q, k, v and SwiGLU with its sub-norm), the
+# RoPE ViTs (axial with registers and no class token, mixed with learned per-layer frequencies and layer scale),
+# DINOv3 (centered, half pairs, registers, layer scale; the "plus" sizes with SwiGLU).
 TINY_EVA = dict(img_size=32, patch_size=8, embed_dim=64, num_heads=2, depth=2)
-EVA_VARIANTS = {
+TIMM_FAMILIES = {   # the VisionTransformers with one block: the interpreter is slow, and the variants above have two
+    "dinov2": ("vit_small_patch14_dinov2", dict(depth=1, num_classes=0)),
+    "dinov2-giant-swiglu": ("vit_giant_patch14_dinov2", dict(depth=1, num_classes=0, mlp_ratio=3)),   # fc1: 2 x 96 rows
+    "clip": ("vit_base_patch16_clip_224", dict(depth=1, num_classes=40)),
+    "deit3": ("deit3_small_patch16_224", dict(depth=1, num_classes=50)),
     "eva02-tiny": ("eva02_tiny_patch14_224", dict(num_classes=7)),
     "eva02-base-swiglu-subnorm": ("eva02_base_patch14_448", dict(num_classes=0)),
     "rope-axial-reg4-gap": ("vit_betwixt_patch16_rope_reg4_gap_256", dict(num_classes=5)),
@@ -290,13 +296,13 @@ EVA_VARIANTS = {
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("size", SIZES)
-@pytest.mark.parametrize("variant", EVA_VARIANTS)
-def test_from_timm_eva_matches_timm(variant, size, dtype):
-    name, kw = EVA_VARIANTS[variant]
+@pytest.mark.parametrize("variant", TIMM_FAMILIES)
+def test_from_timm_families_match_timm(variant, size, dtype):
+    name, kw = TIMM_FAMILIES[variant]
     if variant == "rope-mixed" and size == "native" and Version(timm.__version__) < Version("1.0.31"):
         pytest.skip("timm before 1.0.31 cannot run RoPE-mixed at its own grid in float64, the reference's dtype")
     # At another size timm needs dynamic_img_size (its rotary tables then come from the device, not the CPU).
-    model = timm.create_model(name, pretrained=False, **TINY_EVA, **kw, dynamic_img_size=size != "native")
+    model = timm.create_model(name, pretrained=False, **{**TINY_EVA, **kw}, dynamic_img_size=size != "native")
     _check_parity(model, _run_timm, from_timm, dtype, SIZES[size])
 
 
@@ -312,7 +318,7 @@ def test_from_timm_aimv2_at_another_size_matches_timm(dtype):
 
 
 def test_eva_config():
-    name, kw = EVA_VARIANTS["eva02-base-swiglu-subnorm"]
+    name, kw = TIMM_FAMILIES["eva02-base-swiglu-subnorm"]
     cfg = from_timm(timm.create_model(name, pretrained=False, **TINY_EVA, **kw)).config
     assert (cfg.act, cfg.mlp_norm, cfg.rope, cfg.rope_ref_grid, cfg.rope_half, cfg.rope_cpu) == (
         "swiglu", True, "axial", (16, 16), False, True)

@@ -16,16 +16,38 @@ from vit_triton import from_hf, from_pretrained, from_timm
 from vit_triton.loaders import CheckpointNotFound, read_checkpoint
 
 
-def _check(ours, ref, features_and_output) -> None:
-    """ours' forward_features and forward in float32 against ref's in float64."""
-    ref64 = copy.deepcopy(ref).double()
-    pixels = torch.randn(2, 3, ours.config.image_size, ours.config.image_size)
+def _features_and_output(model, pixels):
+    """forward_features and forward_head of ours or of a timm model."""
+    features = model.forward_features(pixels)
+    return features, model.forward_head(features)
+
+
+def _check(ours, ref, ref_outputs, dtype: torch.dtype = torch.float32, size: tuple[int, int] | None = None,
+           ours_outputs=_features_and_output) -> None:
+    """ours_outputs(ours) against ref_outputs(ref) in float64 on images of `size` (None: the checkpoint's own); in
+    bfloat16, ref's own error in bfloat16 is the yardstick."""
+    pixels = torch.randn(2, 3, *(size or (ours.config.image_size,) * 2))
     with torch.no_grad():
-        want = features_and_output(ref64, pixels.double())
-        features = ours.forward_features(pixels.to(DEVICE))
-        got = (features, ours.forward_head(features))
-    for g, w in zip(got, want):
-        assert_close(g, w.to(DEVICE), torch.float32)
+        want = ref_outputs(copy.deepcopy(ref).double(), pixels.double())
+        theirs = [None] * len(want) if dtype == torch.float32 else \
+            ref_outputs(copy.deepcopy(ref).to(DEVICE, dtype), pixels.to(DEVICE, dtype))
+        got = ours_outputs(ours, pixels.to(DEVICE, dtype))
+    for g, t, w in zip(got, theirs, want):
+        assert_close(g, w.to(DEVICE), dtype, t)
+
+
+# Beside each checkpoint at its own size in float32, one of every family in bfloat16 and at 3 x 5 patches (its own
+# grid is 4 x 4), resampled as its library does.
+OTHER = (24, 40)
+MATRIX = [(None, torch.bfloat16), (OTHER, torch.float32), (OTHER, torch.bfloat16)]
+
+
+def _cases(cases, families):
+    """pytest params (case, size, dtype, depth): every case at its own size in float32 with 2 blocks (a second
+    block's keys read), and each of `families` in MATRIX's cells with 1 (the interpreter is slow)."""
+    return [pytest.param(case, None, torch.float32, 2, id=case) for case in cases] + [
+        pytest.param(case, size, dtype, 1, id=f"{case}-{'3x5' if size else 'own'}-{str(dtype)[6:]}")
+        for case in families for size, dtype in MATRIX]
 
 
 def _hf_outputs(model, pixels):
@@ -47,30 +69,35 @@ HF_CASES = {
     "DeiTForImageClassification": dict(num_labels=3),
     "DeiTForImageClassificationWithTeacher": dict(num_labels=4),
     "Dinov2Model": dict(mlp_ratio=2, layerscale_value=0.5),
+    "Dinov2Model-giant-swiglu": dict(mlp_ratio=3, use_swiglu_ffn=True),
     "Dinov2WithRegistersModel": dict(mlp_ratio=2, num_register_tokens=4),
     "CLIPModel": dict(projection_dim=40),
+    "CLIPVisionModel": dict(),
     "CLIPVisionModelWithProjection": dict(projection_dim=24),
     "SiglipModel": dict(),
     "SiglipVisionModel": dict(hidden_act="gelu"),
     "DINOv3ViTModel": dict(num_register_tokens=4, use_gated_mlp=True, hidden_act="silu"),
     "ViTMAEForPreTraining": dict(mask_ratio=0.0, decoder_hidden_size=32, decoder_num_hidden_layers=1,
                                  decoder_intermediate_size=40, decoder_num_attention_heads=2),
+    "ViTMAEModel": dict(mask_ratio=0.0),
     "Aimv2VisionModel": dict(qkv_bias=True),
     "Aimv2Model": dict(projection_dim=40),
 }
 
 
-@pytest.mark.parametrize("name", HF_CASES)
-def test_transformers_checkpoint_matches_transformers(name, tmp_path):
-    ref = hf_model(name, **HF_CASES[name])
-    ours = from_pretrained(save_hf(ref, tmp_path), device=DEVICE, dtype=torch.float32)
+@pytest.mark.parametrize("case, size, dtype, depth", _cases(HF_CASES, [
+    "Dinov2Model", "Dinov2WithRegistersModel", "CLIPModel", "SiglipModel", "DINOv3ViTModel", "ViTMAEForPreTraining"]))
+def test_transformers_checkpoint_matches_transformers(case, size, dtype, depth, tmp_path):
+    name = case.split("-")[0]   # the class; after it, which variant
+    ref = hf_model(name, depth=depth, **HF_CASES[case])
+    ours = from_pretrained(save_hf(ref, tmp_path), device=DEVICE, dtype=dtype)
     assert ours.config.dist_token == name.startswith("DeiT")
     assert ours.config.head_dist == name.endswith("WithTeacher")
     assert ours.config == (from_hf(ref.vit).config if name == "ViTMAEForPreTraining" else from_hf(ref).config)
     assert ours.checkpoint.library == "transformers" and ours.checkpoint.architecture == name
     if name == "ViTForImageClassification":
         assert ours.checkpoint.id2label == {i: f"kind {i}" for i in range(5)}
-    _check(ours, ref, _hf_outputs)
+    _check(ours, ref, _hf_outputs, dtype, size)
 
 
 def test_from_hf_takes_a_deit_with_teacher():
@@ -98,11 +125,8 @@ def test_sharded_safetensors_and_pickled_weights_load_the_same(tmp_path):
     assert all(torch.equal(sd[k], v) for k, v in from_hf(ref).state_dict().items())
 
 
-def _timm_outputs(model, pixels):
-    features = model.forward_features(pixels)
-    return features, model.forward_head(features)
-
-
+# Heads of 50 classes where a case runs in bfloat16: over a handful of logits a bf16 relative error swings past the
+# rule by chance.
 TIMM_CASES = {
     # name, create_model arguments, config.json as timm writes it now (model_args) or as older hub ones
     "vit-model_args": ("vit_tiny_patch16_224", dict(embed_dim=64, num_heads=2, num_classes=5), True),
@@ -111,15 +135,15 @@ TIMM_CASES = {
         embed_dim=64, num_heads=2, class_token=False, global_pool="avg", fc_norm=True, reg_tokens=2,
         no_embed_class=True, num_classes=0), True),
     # act_layer and LayerNorm eps are the architecture's, recorded nowhere: read from its name
-    "clip-quickgelu": ("vit_base_patch16_clip_quickgelu_224", dict(embed_dim=64, num_heads=2, num_classes=2), True),
-    "deit3-layer-scale": ("deit3_small_patch16_224", dict(embed_dim=64, num_heads=2, num_classes=3), True),
+    "clip-quickgelu": ("vit_base_patch16_clip_quickgelu_224", dict(embed_dim=64, num_heads=2, num_classes=50), True),
+    "deit3-layer-scale": ("deit3_small_patch16_224", dict(embed_dim=64, num_heads=2, num_classes=50), True),
     "dinov2-registers": ("vit_small_patch14_reg4_dinov2", dict(embed_dim=64, num_heads=2, patch_size=8), True),
     # SwiGLUPacked, recorded nowhere: read from fc1 being twice as tall as fc2 is wide
     "dinov2-giant-swiglu": ("vit_giant_patch14_dinov2", dict(embed_dim=96, num_heads=2, patch_size=8), True),
     # global_pool 'map' and no class token are the architecture's, not in model_args: read from the tensors
     "siglip-map": ("vit_base_patch16_siglip_224", dict(embed_dim=64, num_heads=2), True),
     # Eva: rotary settings come from the architecture, built by timm on the meta device
-    "eva02-tiny": ("eva02_tiny_patch14_224", dict(embed_dim=64, num_heads=2, patch_size=8, num_classes=3), True),
+    "eva02-tiny": ("eva02_tiny_patch14_224", dict(embed_dim=64, num_heads=2, patch_size=8, num_classes=50), True),
     "rope-mixed": ("vit_small_patch16_rope_mixed_224", dict(embed_dim=64, num_heads=2, num_classes=0), True),
     "dinov3": ("vit_small_patch16_dinov3", dict(embed_dim=64, num_heads=2, patch_size=8), True),
     # RmsNorm (its bias-free norms), SwiGLU (fc1_g, fc1_x) and the patch embedding's norm: read from the tensors
@@ -127,21 +151,23 @@ TIMM_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", TIMM_CASES)
-def test_timm_checkpoint_matches_timm(case, tmp_path):
+@pytest.mark.parametrize("case, size, dtype, depth", _cases(TIMM_CASES, [
+    "dinov2-registers", "clip-quickgelu", "deit3-layer-scale", "siglip-map", "eva02-tiny", "dinov3"]))
+def test_timm_checkpoint_matches_timm(case, size, dtype, depth, tmp_path):
     name, kw, model_args = TIMM_CASES[case]
     if case == "rope-mixed" and Version(timm.__version__) < Version("1.0.31"):
         pytest.skip("timm before 1.0.31 cannot run RoPE-mixed at its own grid in float64, the reference's dtype")
-    ref = timm_model(name, **kw)
+    # timm runs another size with dynamic_img_size, which model_args then record
+    ref = timm_model(name, depth=depth, **kw, **({"dynamic_img_size": True} if size else {}))
     weights = "model.safetensors" if model_args else "pytorch_model.bin"
     directory = save_timm(ref, tmp_path, weights=weights, model_args=model_args)
     # a weights file with its config.json beside it names the same checkpoint as the directory
     ours = from_pretrained(directory / weights if case.startswith("deit") else directory,
-                           device=DEVICE, dtype=torch.float32)
+                           device=DEVICE, dtype=dtype)
     assert ours.config == from_timm(ref).config  # what the live module says, incl. eps and activation
     assert ours.checkpoint.library == "timm" and ours.checkpoint.architecture == name
     assert ours.checkpoint.preprocessing["input_size"] == [3, 32, 32]
-    _check(ours, ref, _timm_outputs)
+    _check(ours, ref, _features_and_output, dtype, size)
 
 
 OPEN_CLIP_CASES = {
@@ -152,42 +178,42 @@ OPEN_CLIP_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", OPEN_CLIP_CASES)
-def test_open_clip_checkpoint_matches_open_clip(case, tmp_path):
+@pytest.mark.parametrize("case, size, dtype, depth", _cases(OPEN_CLIP_CASES, ["layer-scale-avg-final-ln-after-pool"]))
+def test_open_clip_checkpoint_matches_open_clip(case, size, dtype, depth, tmp_path):
     open_clip = pytest.importorskip("open_clip")   # a test extra; the GPU machine's image lacks it
+    from open_clip.model import resize_pos_embed
     from safetensors.torch import save_file
 
     kw, weights = OPEN_CLIP_CASES[case]
     model_cfg = dict(embed_dim=40, quick_gelu=kw.get("quick_gelu", False),
-                     vision_cfg=dict(image_size=24, patch_size=8, width=64, head_width=32, layers=2, mlp_ratio=1.5,
+                     vision_cfg=dict(image_size=24, patch_size=8, width=64, head_width=32, layers=depth, mlp_ratio=1.5,
                                      **kw.get("vision_cfg", {})),
                      text_cfg=dict(context_length=8, vocab_size=50, width=32, heads=2, layers=1))
     ref = randomize_(open_clip.CLIP(**model_cfg)).eval()
-    ref.visual.output_tokens = True
     preprocess_cfg = dict(mean=[0.48, 0.45, 0.41], std=[0.27, 0.26, 0.28])
     (tmp_path / "open_clip_config.json").write_text(json.dumps(dict(model_cfg=model_cfg,
                                                                     preprocess_cfg=preprocess_cfg)))
     sd = ref.state_dict()
     save_file(sd, tmp_path / weights) if weights.endswith(".safetensors") else torch.save(sd, tmp_path / weights)
-    ours = from_pretrained(tmp_path, device=DEVICE, dtype=torch.float32)
+    ours = from_pretrained(tmp_path, device=DEVICE, dtype=dtype)
     assert ours.checkpoint.library == "open_clip" and ours.checkpoint.preprocessing == preprocess_cfg
     assert ours.config.embedding_dim == 40 and ours.config.pre_norm and not ours.config.patch_bias
+    if size:   # OpenCLIP runs another size as a model made for it, the checkpoint's table resized as it loads
+        ref = open_clip.CLIP(**{**model_cfg, "vision_cfg": {**model_cfg["vision_cfg"], "image_size": size}}).eval()
+        resize_pos_embed(sd, ref)
+        ref.load_state_dict(sd)
+    ref.visual.output_tokens = True
 
-    def ours_outputs(pixels):   # as OpenCLIP's visual(): the image embedding, and the patch tokens
-        features = ours.forward_features(pixels)
-        return ours.forward_head(features), features[:, 1:]
+    def ours_outputs(model, pixels):   # as OpenCLIP's visual(): the image embedding, and the patch tokens
+        features = model.forward_features(pixels)
+        return model.forward_head(features), features[:, 1:]
 
-    ref64 = copy.deepcopy(ref).double()
-    pixels = torch.randn(2, 3, 24, 24)
-    with torch.no_grad():
-        want, got = ref64.visual(pixels.double()), ours_outputs(pixels.to(DEVICE))
-    for g, w in zip(got, want):
-        assert_close(g, w.to(DEVICE), torch.float32)
+    _check(ours, ref, lambda model, pixels: model.visual(pixels), dtype, size, ours_outputs)
 
 
 def test_from_timm_takes_a_distilled_deit():
     ref = timm_model("deit_tiny_distilled_patch16_224", embed_dim=64, num_heads=2, num_classes=3)
-    _check(from_timm(copy.deepcopy(ref).to(DEVICE)), ref, _timm_outputs)
+    _check(from_timm(copy.deepcopy(ref).to(DEVICE)), ref, _features_and_output)
 
 
 def test_timm_label_names_and_descriptions(tmp_path):
