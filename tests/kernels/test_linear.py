@@ -356,11 +356,16 @@ def test_rope_across_a_short_last_wave(half, monkeypatch):
 
 
 def test_rope_with_tf32_output_rounds_after_rotating(one_config):
+    # The stored q and k are tf32 values (13 low bits clear), each the rounding of the rotated product: within half a
+    # tf32 step of the float32 output, give or take what another build's FMAs change in the unrounded value.
     x, w, b, _ = inputs(40, 96, 64, torch.float32, residual=False)
     cos, sin = rope_tables(19, 16)
     with tf32_matmuls():
         y = linear(x, w, b, rope=(cos, sin), rope_prefix=1, tf32_output=True)
-        assert torch.equal(y, TF32.round_to_tf32(linear(x, w, b, rope=(cos, sin), rope_prefix=1)))
+        unrounded = linear(x, w, b, rope=(cos, sin), rope_prefix=1)
+    assert not (y.view(torch.int32) & 0x1FFF).any()
+    torch.testing.assert_close(y, unrounded, rtol=2 ** -11, atol=1e-5)
+    assert not torch.equal(y, unrounded)
 
 
 @pytest.mark.parametrize("change, message", [

@@ -6,7 +6,10 @@ import pytest
 import torch
 
 from tests.kernels.checks import assert_written_in_place, check, each_dtype, empty, nan_filled, rand, raises_value_error
+from tests.numerics import DEVICE
 from vit_triton.kernels import token_mean
+from vit_triton.kernels.common import sm_count
+from vit_triton.kernels.token_mean import column_block
 
 
 def torch_token_mean(start):
@@ -27,6 +30,14 @@ DIMS = [301, 777, 45]                           # two column blocks of 256 and m
 def test_shapes(dtype, start, tokens):
     batch, dim = 1 + 2 * (start % 2), DIMS[(STARTS.index(start) + TOKENS.index(tokens)) % len(DIMS)]
     average(rand(batch, tokens, dim, dtype=dtype), start)
+
+
+def test_a_small_batch_takes_narrow_columns():
+    # Too few programs of 256 columns to fill the SMs: 64 columns each, so one image's mean spreads over more SMs.
+    sms = sm_count(DEVICE)
+    assert column_block(1, 768, DEVICE) == (64 if 3 < sms else 256)
+    assert column_block(sms, 768, DEVICE) == 256
+    assert column_block(1, 48, DEVICE) == 64 and column_block(sms, 48, DEVICE) == 64
 
 
 @each_dtype
