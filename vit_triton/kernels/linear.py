@@ -14,10 +14,9 @@ k ready. A rotated pair is within one tile: channels (2i, 2i + 1), or (i, i + Dh
 multiple of Dh (the launcher widens narrower candidates for such a head dim).
 
 Cost: 2*M*N*K FLOPs; at least (M*K + N*K + M*N [+ M*N residual]) elements moved (+ N bias); with swiglu, N is W's
-rows, 2 * y's width, and y moves M*N/2 elements; rope reads a cos and a sin a rotated pair (fp32,
-2/3 * M*N/2 pairs, from tables of T*Dh values each, a head each for RoPE-mixed: cached in L2) and adds 3 FLOPs an
-element; split K writes S*M*N fp32 partial sums instead of M*N outputs; a
-product launched in two parts of rows reads W twice (+ N*K).
+rows, 2 * y's width, and y moves M*N/2 elements; rope reads a cos and a sin a rotated pair (fp32, 2/3 * M*N/2 pairs,
+from tables of T*Dh values each, a head each for RoPE-mixed: cached in L2) and adds 3 FLOPs an element; split K
+writes S*M*N fp32 partial sums instead of M*N outputs; a product launched in two parts of rows reads W twice (+ N*K).
 
 The file, in reading order:
 
