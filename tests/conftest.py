@@ -1,15 +1,22 @@
 """Runs every kernel through Triton's interpreter on machines without a CUDA device (TRITON_INTERPRET must
-be set before triton is imported, which conftest.py precedes); `one_config` pins the tuned kernels to one
-launch config."""
+be set before triton is imported, which conftest.py precedes); torch.compile's caches in a folder of this run's
+own; `one_config` pins the tuned kernels to one launch config."""
 
+import atexit
 import importlib
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+# Inductor's on-disk cache can hand back a graph compiled against another checkout's ops (their argument lists
+# are not in its key): each test run compiles afresh.
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="vit-triton-inductor-")
+atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture
