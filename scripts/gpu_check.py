@@ -56,7 +56,7 @@ def timm_clip_large() -> tuple[str, torch.nn.Module, callable, callable, int]:
 def _hf_family(name: str, model: torch.nn.Module, size: int) -> tuple[str, torch.nn.Module, callable, callable, int]:
     """A transformers vision encoder: last_hidden_state and the image embedding (pooler_output, projected
     where the model has a projection), at `size` (position embedding resampled when it is not the model's)."""
-    kw = {} if type(model).__name__.startswith(("Dinov2", "DINOv3")) else {"interpolate_pos_encoding": True}
+    kw = {} if type(model).__name__.startswith(("Dinov2", "DINOv3", "Aimv2")) else {"interpolate_pos_encoding": True}
 
     def run(m, px):
         out = (m.vision_model if hasattr(m, "visual_projection") else m)(px, **kw)
@@ -105,6 +105,13 @@ def hf_dinov3_large() -> tuple[str, torch.nn.Module, callable, callable, int]:
     return _hf_family("facebook/dinov3-vitl16-pretrain-lvd1689m", DINOv3ViTModel(config), 224)
 
 
+def hf_aimv2_large() -> tuple[str, torch.nn.Module, callable, callable, int]:
+    from transformers import Aimv2VisionConfig, Aimv2VisionModel
+
+    # The defaults are apple/aimv2-large-patch14-224's: RMSNorm, SwiGLU, no biases, head dim 128, the pooling head.
+    return _hf_family("apple/aimv2-large-patch14-224", Aimv2VisionModel(Aimv2VisionConfig()), 224)
+
+
 def set_tf32(on: bool) -> None:
     """Every float32 matmul and convolution, ours and PyTorch's, on tf32 (on) or exact (off)."""
     torch.set_float32_matmul_precision("high" if on else "highest")
@@ -150,7 +157,7 @@ def check_model(name, ref32, convert, run_ref, size, rows, precisions, batches, 
 
 MODELS = {"vit-base": hf_vit_base, "clip-large": timm_clip_large, "dinov2-large": hf_dinov2_large,
           "clip-large-hf": hf_clip_large, "siglip-so400m": hf_siglip_so400m, "eva02-base": timm_eva02_base,
-          "dinov3-large": hf_dinov3_large}
+          "dinov3-large": hf_dinov3_large, "aimv2-large": hf_aimv2_large}
 
 
 def main() -> int:
