@@ -32,7 +32,7 @@ from .common import (
 def _layer_norm_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
     parts_ptr, sum_ptr,   # add_layer_norm only: the partial sums [NUM_PARTS, M, D], x + their sum [M, D]
-    add_ptr, ADD_ROWS,   # HAS_ADD: the table [ADD_ROWS, D] whose row m % ADD_ROWS is added to y's row m
+    add_ptr, add_rows,   # HAS_ADD: the table [add_rows, D] whose row m % add_rows is added to y's row m
     M, D, stride_xm, stride_ym, eps,
     y_tf32,   # 1: a float32 y stored rounded to tf32
     HAS_BIAS: tl.constexpr, RMS: tl.constexpr,   # RMS: x / sqrt(mean(x^2) + eps), no mean subtracted
@@ -64,7 +64,7 @@ def _layer_norm_kernel(
     if HAS_BIAS:
         y += tl.load(b_ptr + cols, mask=mask_d, other=0.0).to(tl.float32)[None, :]
     if HAS_ADD:
-        y += tl.load(add_ptr + rows % ADD_ROWS * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        y += tl.load(add_ptr + rows % add_rows * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if y_ptr.dtype.element_ty == tl.float32:
         # y_tf32 is read at run time, so that the rounded y is the unrounded one's rounding bit for bit. Two
         # builds of this kernel may fuse different products of the sum of squares into FMAs (d0*d0 + d1*d1
