@@ -8,6 +8,7 @@ applied (as transformers' load_image does), so that a phone's photo is seen upri
 
 from __future__ import annotations
 
+import io
 import os
 
 from PIL import Image, ImageOps, UnidentifiedImageError
@@ -17,25 +18,37 @@ class UnreadableImage(Exception):
     """A file that is not a decodable image; str() is the reason, written to the skipped-files list."""
 
 
-def load_image(path: str | os.PathLike, mode: str = "RGB") -> Image.Image:
-    """The fully decoded image at `path` in PIL `mode` ("RGB", or "L" for one-channel models).
-
-    Raises UnreadableImage for a missing, unreadable, empty, non-image, truncated or corrupt file.
-    Turned upright by its EXIF orientation tag, if any. Transparency is dropped (Pillow's convert), as
-    timm's and torchvision's loaders do; only the first frame of an animation is used.
-    """
+def read_file(path: str | os.PathLike) -> bytes:
+    """The bytes of the file at `path`. Raises UnreadableImage for a missing, unreadable or empty file."""
     try:
-        file = open(path, "rb")  # noqa: SIM115 -- closed below, whichever way decoding ends
+        with open(path, "rb") as file:
+            data = file.read()
     except OSError as e:
         raise UnreadableImage(f"cannot read file: {e.strerror or e}") from None
-    with file:
-        if os.fstat(file.fileno()).st_size == 0:
-            raise UnreadableImage("empty file")
-        try:
-            with Image.open(file) as image:
-                ImageOps.exif_transpose(image, in_place=True)  # decodes the whole image: truncation shows here
-                return image.convert(mode)
-        except UnidentifiedImageError:
-            raise UnreadableImage("not an image (unrecognised format)") from None
-        except Exception as e:  # noqa: BLE001 -- Pillow raises OSError, SyntaxError, ValueError, ... on bad data
-            raise UnreadableImage(f"truncated or corrupt image: {e}") from None
+    if not data:
+        raise UnreadableImage("empty file")
+    return data
+
+
+def decode_image(data: bytes, mode: str = "RGB") -> Image.Image:
+    """The fully decoded image in the encoded `data`, in PIL `mode` ("RGB", or "L" for one-channel models).
+
+    Raises UnreadableImage for empty, non-image, truncated or corrupt data. Turned upright by its EXIF
+    orientation tag, if any. Transparency is dropped (Pillow's convert), as timm's and torchvision's
+    loaders do; only the first frame of an animation is used.
+    """
+    if not data:
+        raise UnreadableImage("empty file")
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            ImageOps.exif_transpose(image, in_place=True)  # decodes the whole image: truncation shows here
+            return image.convert(mode)
+    except UnidentifiedImageError:
+        raise UnreadableImage("not an image (unrecognised format)") from None
+    except Exception as e:  # noqa: BLE001 -- Pillow raises OSError, SyntaxError, ValueError, ... on bad data
+        raise UnreadableImage(f"truncated or corrupt image: {e}") from None
+
+
+def load_image(path: str | os.PathLike, mode: str = "RGB") -> Image.Image:
+    """decode_image of the file at `path`; UnreadableImage also for a missing or unreadable file."""
+    return decode_image(read_file(path), mode)
