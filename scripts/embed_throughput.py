@@ -55,18 +55,18 @@ def make_images(folder: Path, count: int, size: tuple[int, int] | None = None) -
     return paths
 
 
-def make_checkpoint(folder: Path) -> Path:
-    """vit_base_patch16_224 with random weights, as a timm hub repository lays it out."""
+def make_checkpoint(folder: Path, architecture: str = "vit_base_patch16_224") -> Path:
+    """A timm architecture with random weights, as a timm hub repository lays it out (its own pretrained_cfg)."""
     import timm
     from safetensors.torch import save_file
 
-    model = timm.create_model("vit_base_patch16_224", pretrained=False, num_classes=1000)
+    model = timm.create_model(architecture, pretrained=False)
     folder.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, folder / "model.safetensors")
+    keys = ("input_size", "interpolation", "crop_pct", "crop_mode", "mean", "std")
     (folder / "config.json").write_text(json.dumps({
-        "architecture": "vit_base_patch16_224", "num_classes": 1000, "global_pool": "token",
-        "pretrained_cfg": {"input_size": [3, 224, 224], "interpolation": "bicubic", "crop_pct": 0.9,
-                           "crop_mode": "center", "mean": [0.5, 0.5, 0.5], "std": [0.5, 0.5, 0.5]}}))
+        "architecture": architecture, "num_classes": model.num_classes,
+        "pretrained_cfg": {k: model.pretrained_cfg[k] for k in keys if k in model.pretrained_cfg}}))
     return folder
 
 
