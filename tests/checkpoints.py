@@ -1,4 +1,4 @@
-"""Test-side helpers: tiny checkpoints saved the way transformers and timm save them, and image files."""
+"""Test-side helpers: tiny checkpoints saved the way transformers and timm save them, image files and tar shards."""
 
 from __future__ import annotations
 
@@ -146,3 +146,18 @@ def write_bad_files(directory: Path) -> dict[Path, str]:
         path.write_bytes(data)
     reasons = ["empty file", "not an image", "truncated or corrupt", "truncated or corrupt"]
     return dict(zip(bad, reasons))
+
+
+def write_shard(path: Path, members: list[tuple[str, bytes]]) -> bytes:
+    """A tar shard as webdataset and img2dataset write it, of (member name, bytes) in order; returns its bytes."""
+    import tarfile
+
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(buffer.getvalue())
+    return buffer.getvalue()

@@ -1,12 +1,15 @@
 """Runs every kernel through Triton's interpreter on machines without a CUDA device (TRITON_INTERPRET must
 be set before triton is imported, which conftest.py precedes); torch.compile's caches in a folder of this run's
-own; `one_config` pins the tuned kernels to one launch config."""
+own; `one_config` pins the tuned kernels to one launch config; `memory` is a fresh memory:// folder,
+`missing_protocol` an fsspec protocol without its package."""
 
 import atexit
 import importlib
+import importlib.util
 import os
 import shutil
 import tempfile
+import uuid
 
 import pytest
 import torch
@@ -28,3 +31,27 @@ def one_config(monkeypatch):
         candidates = getattr(linear, name)
         monkeypatch.setattr(linear, name, lambda m, dtype, candidates=candidates: candidates(m, dtype)[:1])
     monkeypatch.setattr(attention._attention_kernel, "configs", attention._attention_kernel.configs[:1])
+
+
+@pytest.fixture
+def memory():
+    """(fsspec's in-process memory:// file system, a fresh folder in it), the folder removed afterwards. DataLoader
+    workers see it too: they are forked after the test fills it."""
+    fsspec = pytest.importorskip("fsspec")
+    fs, root = fsspec.filesystem("memory"), f"/{uuid.uuid4().hex}"
+    yield fs, root
+    if fs.exists(root):
+        fs.rm(root, recursive=True)
+
+
+@pytest.fixture
+def missing_protocol() -> tuple[str, str]:
+    """(protocol, fsspec's error naming its package) of a protocol fsspec knows whose package is not installed."""
+    pytest.importorskip("fsspec")
+    from fsspec.registry import known_implementations
+
+    for protocol, spec in known_implementations.items():
+        module = spec["class"].split(".")[0]
+        if module != "fsspec" and importlib.util.find_spec(module) is None:
+            return protocol, spec["err"]
+    raise AssertionError("every fsspec protocol's package is installed")

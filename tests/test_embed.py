@@ -1,7 +1,9 @@
 """`vit-triton embed` end to end through the interpreter: complete output equal to direct model calls,
 bad files listed, resume after kill -9 (which takes the DataLoader workers with it), one run at a time
-into an output, re-runs that add INPUT's new files, and a 2-process torchrun (gloo) equal to one process."""
+into an output, re-runs that add INPUT's new files, and a 2-process torchrun (gloo) equal to one process;
+for folders of images and for tar shards, local and through fsspec (memory://)."""
 
+import functools
 import json
 import os
 import re
@@ -15,12 +17,12 @@ import numpy as np
 import pytest
 import torch
 
-from tests.checkpoints import hf_model, save_hf, save_timm, timm_model, write_bad_files, write_images
+from tests.checkpoints import hf_model, save_hf, save_timm, timm_model, write_bad_files, write_images, write_shard
 from tests.numerics import DEVICE, assert_close
 from vit_triton import from_pretrained
 from vit_triton.cli import main
-from vit_triton.data import Preprocess, load_image
-from vit_triton.data.files import list_inputs
+from vit_triton.data import Preprocess, UnreadableImage, decode_image, load_image
+from vit_triton.data.sources import expand_braces, list_inputs
 from vit_triton.pipelines import store as store_module
 from vit_triton.pipelines.embed import _device as embed_device, embedding_fn
 from vit_triton.pipelines.store import ChunkStore, UsageError
@@ -69,16 +71,58 @@ def _read_parquet(path) -> tuple[list[str], np.ndarray]:
     return table["path"].to_pylist(), embedding
 
 
-@pytest.fixture(scope="module")
-def single(work) -> Path:
-    """One uninterrupted single-process run into single.parquet: the output others must equal."""
+def _embed_in(work: Path, spec: str, output: str) -> Path:
     cwd = os.getcwd()
     os.chdir(work)
     try:
-        assert _embed("imgs", "--model", "deit", "--output", "single.parquet", *RUN) == 0
+        assert _embed(spec, "--model", "deit", "--output", output, *RUN) == 0
     finally:
         os.chdir(cwd)
-    return work / "single.parquet"
+    return work / output
+
+
+@pytest.fixture(scope="module")
+def single(work) -> Path:
+    """One uninterrupted single-process run into single.parquet: the output others must equal."""
+    return _embed_in(work, "imgs", "single.parquet")
+
+
+SHARDS = "shards/{00000..00002}.tar"
+
+
+@pytest.fixture(scope="module")
+def shards(work) -> tuple[list[tuple[str, str]], list[str]]:
+    """Three tar shards of the folder's 14 good images as img2dataset writes them (KEY.jpg or KEY.png beside
+    KEY.txt and KEY.json; a _stats.json beside each shard), with a corrupt and an empty image, the last shard cut
+    in its 4th image: ([(row name, the folder's image it holds)], the skipped-files lines to expect)."""
+    good = [os.path.relpath(p, work) for p in list_inputs(str(work / "imgs")) if "/bad/" not in p]
+    corrupt = (work / "imgs/bad/corrupt.png").read_bytes()
+    layout = [good[0:3] + ["corrupt.png"] + good[3:6], good[6:10] + ["empty.jpg"], good[10:14]]
+    rows, skipped = [], []
+    for s, images in enumerate(layout):
+        shard, members = f"shards/{s:05d}.tar", []
+        for i, image in enumerate(images):
+            key, data = f"{s:05d}{i:04d}", {"corrupt.png": corrupt, "empty.jpg": b""}.get(image)
+            name = key + os.path.splitext(image)[1]
+            members += [(name, (work / image).read_bytes() if data is None else data),
+                        (f"{key}.txt", image.encode()), (f"{key}.json", json.dumps({"key": key}).encode())]
+            (rows if data is None else skipped).append((f"{shard}#{name}", image))
+        data = write_shard(work / shard, members)
+        (work / f"shards/{s:05d}_stats.json").write_text("{}")
+        if s == 2:  # cut in the data of its 4th image
+            (work / shard).write_bytes(data[:data.index(members[9][1]) + 100])
+            rows = rows[:-1]
+    with pytest.raises(UnreadableImage) as reason:
+        decode_image(corrupt)
+    lines = [f"{skipped[0][0]}\t{reason.value}", f"{skipped[1][0]}\tempty file",
+             "shards/00002.tar\ttruncated or corrupt tar after 3 image(s): unexpected end of data"]
+    return rows, lines
+
+
+@pytest.fixture(scope="module")
+def shard_single(work, shards) -> Path:
+    """One uninterrupted single-process run over the shards, named by a brace range: the output others must equal."""
+    return _embed_in(work, SHARDS, "shards.parquet")
 
 
 def test_output_is_complete_and_equal_to_direct_model_calls(single, capsys):
@@ -99,6 +143,68 @@ def test_output_is_complete_and_equal_to_direct_model_calls(single, capsys):
     out = capsys.readouterr()
     assert "already complete" in out.err
     assert "vit-triton embed: done 14, skipped 4 (listed in single.skipped.tsv); this run: nothing to do" in out.out
+
+
+def test_shards_give_what_the_folder_of_their_images_does(single, shard_single, shards, capsys):
+    rows, skipped = shards
+    paths, embedding = _read_parquet(shard_single)
+    assert paths == [name for name, _ in rows]  # SHARD#MEMBER, in shard order then archive order
+    folder_paths, folder_embedding = _read_parquet(single)
+    images = [folder_paths.index(image) for _, image in rows]
+    # other batches than the folder run's: the last bits may differ
+    assert_close(torch.from_numpy(embedding), torch.from_numpy(folder_embedding[images]), torch.float32)
+    assert Path("shards.skipped.tsv").read_text().splitlines() == ["path\treason", *skipped]
+
+    assert _embed(SHARDS, "--model", "deit", "--output", "shards.parquet", *RUN) == 0
+    out = capsys.readouterr()
+    assert "already complete" in out.err and "done 13, skipped 3" in out.out
+    # the folder of the shards (their _stats.json files left out) names the same shards
+    assert _embed("shards", "--model", "deit", "--output", "shard-folder.parquet", *RUN) == 0
+    assert pq.read_table("shard-folder.parquet").equals(pq.read_table(shard_single))
+    assert Path("shard-folder.skipped.tsv").read_text() == Path("shards.skipped.tsv").read_text()
+
+
+def test_a_folder_through_fsspec_gives_what_the_local_one_does(single, work, memory, tmp_path):
+    fs, root = memory
+    for path in list_inputs("imgs"):
+        fs.pipe(f"{root}/{path}", (work / path).read_bytes())
+    url = f"memory://{root}"
+    assert _embed(f"{url}/imgs", "--model", "deit", "--output", str(tmp_path / "m.parquet"), *RUN) == 0
+    paths, embedding = _read_parquet(tmp_path / "m.parquet")
+    folder_paths, folder_embedding = _read_parquet(single)
+    assert paths == [f"{url}/{p}" for p in folder_paths]
+    assert np.array_equal(embedding, folder_embedding)  # the same chunks and batches
+    assert (tmp_path / "m.skipped.tsv").read_text() == Path("single.skipped.tsv").read_text().replace(
+        "imgs/", f"{url}/imgs/")
+
+
+@pytest.mark.parametrize("output, options", [("m.parquet", []), ("m.npy", ["--tokens"])])
+def test_shards_through_fsspec_and_a_shard_added_later(output, options, shard_single, shards, work, memory, tmp_path,
+                                                       capsys):
+    fs, root = memory
+    url, out = f"memory://{root}", tmp_path / output
+    for s in (0, 1):
+        fs.pipe(f"{root}/0000{s}.tar", (work / f"shards/0000{s}.tar").read_bytes())
+    cmd = [url, "--model", "deit", "--output", str(out), *options, *RUN]
+    assert _embed(*cmd) == 0
+    fs.pipe(f"{root}/00002.tar", (work / "shards/00002.tar").read_bytes())
+    capsys.readouterr()
+    assert _embed(*cmd) == 0
+    logged = capsys.readouterr()
+    assert f"1 file(s) new in INPUT since {out} was written: embedding them, to add after its 10 rows" in logged.err
+    assert "done 13, skipped 3" in logged.out and "this run: 4 images" in logged.out  # 3 and the damage
+    paths, embedding, tokens = _read_output(out)
+    want_paths, want = _read_parquet(shard_single)
+    assert paths == [p.replace("shards/", f"{url}/", 1) for p in want_paths]
+    assert np.array_equal(embedding, want)  # a shard's batches are its own, whatever run reads it
+    if tokens is not None:
+        _, features = _direct("deit", [image for _, image in shards[0]])
+        assert_close(torch.from_numpy(tokens), features.double(), torch.float32)
+    assert out.with_name("m.skipped.tsv").read_text() == Path("shards.skipped.tsv").read_text().replace(
+        "shards/", f"{url}/")
+
+    assert _embed(*cmd) == 0  # nothing new now
+    assert "already complete; nothing to do" in capsys.readouterr().err
 
 
 def test_npy_tokens_normalized_from_a_list_file_with_a_timm_checkpoint(tmp_path):
@@ -169,23 +275,24 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "vit_triton", *args]
 
 
-def _blocked_run(work: Path, name: str) -> tuple[subprocess.Popen, list[str], Path]:
-    """(process, command, FIFO) of a run into NAME.parquet over the single run's inputs and, last, a FIFO:
-    decoding blocks on it, so the run stops for sure in the middle (chunks 0-2 written; chunk 3's last
-    batch waits on the next), however fast it is; returned once it got there."""
-    fifo = work / f"{name}.fifo"
+def _blocked_run(work: Path, name: str, inputs: list[str] | None = None, fifo_suffix: str = ".fifo",
+                 done: int = 3) -> tuple[subprocess.Popen, list[str], Path]:
+    """(process, command, FIFO) of a run into NAME.parquet over `inputs` (default: the single run's) and, last, a
+    FIFO: reading blocks on it, so the run stops for sure in the middle (chunks 0 to done-1 written; chunk done's
+    last batch waits on the next), however fast it is; returned once it got there."""
+    fifo = work / f"{name}{fifo_suffix}"
     os.mkfifo(fifo)
-    (work / f"{name}.txt").write_text("\n".join(list_inputs("imgs") + [fifo.name]) + "\n")
+    (work / f"{name}.txt").write_text("\n".join((inputs or list_inputs("imgs")) + [fifo.name]) + "\n")
     cmd = ["embed", f"{name}.txt", "--model", "deit", "--output", f"{name}.parquet", *RUN]
     run = subprocess.Popen(_cli(*cmd), cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     partial = work / f"{name}.parquet.partial"
     deadline = time.monotonic() + 120
-    while len(list(partial.glob("chunk-*.json"))) < 3 and run.poll() is None and time.monotonic() < deadline:
+    while len(list(partial.glob("chunk-*.json"))) < done and run.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(0.5)
-    if run.poll() is not None or len(list(partial.glob("chunk-*.json"))) != 3:
+    if run.poll() is not None or len(list(partial.glob("chunk-*.json"))) != done:
         run.kill()
-        pytest.fail(f"the run did not stop at its 4th chunk: {run.communicate()}")
+        pytest.fail(f"the run did not stop at chunk {done}: {run.communicate()}")
     return run, cmd, fifo
 
 
@@ -223,8 +330,18 @@ def _still_running(processes: dict[int, int], seconds: float) -> list[int]:
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the run's processes in /proc")
-def test_resume_after_kill_9_has_no_duplicates_and_no_gaps(single, work, capsys):
-    run, cmd, fifo = _blocked_run(work, "killed")
+@pytest.mark.parametrize("kind", ["images", "shards"])
+def test_resume_after_kill_9_has_no_duplicates_and_no_gaps(kind, request, work, capsys):
+    # the uninterrupted run; the inputs; the FIFO's suffix; chunks done when it blocks, of all; inputs still to do
+    # (images: chunks 3 and 4, the FIFO's path now missing; shards: the cut shard's 3 images and its damage, and
+    # the FIFO's path)
+    single, inputs, suffix, done, chunks, to_do = {
+        "images": ("single", list_inputs("imgs"), ".fifo", 3, 5, 7),
+        "shards": ("shard_single", expand_braces(SHARDS), ".tar", 2, 4, 5),
+    }[kind]
+    single = request.getfixturevalue(single)
+    name = f"killed-{kind}"
+    run, cmd, fifo = _blocked_run(work, name, inputs, suffix, done)
     workers = _descendants(run.pid)  # its DataLoader worker, blocked on the FIFO
     assert workers
     run.send_signal(signal.SIGKILL)
@@ -235,16 +352,17 @@ def test_resume_after_kill_9_has_no_duplicates_and_no_gaps(single, work, capsys)
     assert not left, f"processes of the killed run still running: {left}"
     fifo.unlink()
     assert run.returncode == -signal.SIGKILL, run.stderr.read()
-    partial = work / "killed.parquet.partial"
-    assert len(list(partial.glob("chunk-*.json"))) == 3 and not (work / "killed.parquet").exists()
+    partial = work / f"{name}.parquet.partial"
+    assert len(list(partial.glob("chunk-*.json"))) == done and not (work / f"{name}.parquet").exists()
 
     assert main(cmd) == 0
     out = capsys.readouterr()
-    assert "resuming killed.parquet: 3 of 5 chunks already done" in out.err
-    assert "this run: 7 images" in out.out  # chunks 3 and 4, the FIFO's path now missing
-    assert pq.read_table(work / "killed.parquet").equals(pq.read_table(single))
-    skipped = (work / "killed.skipped.tsv").read_text()
-    assert skipped == (work / "single.skipped.tsv").read_text() + "killed.fifo\tcannot read file: No such file or directory\n"
+    assert f"resuming {name}.parquet: {done} of {chunks} chunks already done" in out.err
+    assert f"this run: {to_do} images" in out.out
+    assert pq.read_table(work / f"{name}.parquet").equals(pq.read_table(single))
+    skipped = (work / f"{name}.skipped.tsv").read_text()
+    assert skipped == single.with_suffix(".skipped.tsv").read_text() + \
+        f"{fifo.name}\tcannot read file: No such file or directory\n"
 
 
 def test_a_second_run_into_an_output_being_written_is_refused(single, work):
@@ -321,19 +439,30 @@ def test_a_rerun_adds_the_new_inputs_and_names_the_removed_ones(output, options,
     assert "done 8, skipped 2" in out.out
 
 
+def _store_run(store: ChunkStore, inputs: list[str]) -> None:
+    """A run into `store` without a model: input "7" has the embedding [7]."""
+    inputs, _ = store.prepare(lambda: inputs, log=lambda msg: None)
+    for k in store.pending(inputs):
+        rows = store.chunk_range(k, inputs)
+        store.write_part(k, 0, [inputs[i] for i in rows], np.array([[int(inputs[i])] for i in rows]), None)
+        store.finish_chunk(k, 1, len(rows), [])
+    store.finalize(inputs)
+
+
+def test_an_output_of_image_files_is_not_added_to_from_shards(tmp_path):
+    store = ChunkStore(tmp_path / "e.npy", {"input": str(tmp_path), "chunk_size": 2})
+    _store_run(store, ["0", "1", "2"])
+    with pytest.raises(UsageError, match=r"e.npy was written from image files, but INPUT now names tar shards: pass "
+                                         r"--overwrite to start over"):
+        store.prepare(lambda: ["3.tar"], log=lambda msg: None)
+
+
 def test_adding_to_an_output_survives_a_kill_while_merging(tmp_path, monkeypatch):
     # The merge reads the finished output's files as they were when the run started (hard links in the work
     # directory), not the output being replaced: killed between its .npy and its paths file, a resumed run
     # writes every row once.
     store = ChunkStore(tmp_path / "e.npy", {"input": str(tmp_path), "chunk_size": 2})
-
-    def run(inputs: list[str]) -> None:
-        inputs, _ = store.prepare(lambda: inputs, log=lambda msg: None)
-        for k in store.pending(len(inputs)):
-            rows = store.chunk_range(k, len(inputs))
-            store.write_chunk(k, np.arange(rows.start, rows.stop), np.array([[int(inputs[i])] for i in rows]), None, [])
-        store.finalize(inputs)
-
+    run = functools.partial(_store_run, store)
     run(["0", "1", "2"])
     write_atomic = store_module.write_atomic
 
@@ -360,16 +489,20 @@ def test_the_same_input_spelled_otherwise_is_the_same(single, work, capsys):
 
 
 @pytest.mark.skipif(0 < torch.cuda.device_count() < 2, reason="two ranks on CUDA need two devices")
-def test_torchrun_two_processes_write_what_one_does(single, work):
+@pytest.mark.parametrize("spec, reference, counts", [("imgs", "single", "done 14, skipped 4"),
+                                                     (SHARDS, "shard_single", "done 13, skipped 3")])
+def test_torchrun_two_processes_write_what_one_does(spec, reference, counts, request, work):
+    single = request.getfixturevalue(reference)
+    two = work / f"two-{single.name}"
     torchrun = Path(sys.executable).parent / "torchrun"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "vit_triton", "embed",
-                             "imgs", "--model", "deit", "--output", "two.parquet", *RUN],
+                             spec, "--model", "deit", "--output", two.name, *RUN],
                             cwd=work, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count("vit-triton embed: done 14, skipped 4") == 1  # rank 0 alone reports
-    assert pq.read_table(work / "two.parquet").equals(pq.read_table(single))
-    assert (work / "two.skipped.tsv").read_text() == (work / "single.skipped.tsv").read_text()
+    assert result.stdout.count(f"vit-triton embed: {counts}") == 1  # rank 0 alone reports
+    assert pq.read_table(two).equals(pq.read_table(single))
+    assert two.with_suffix(".skipped.tsv").read_text() == single.with_suffix(".skipped.tsv").read_text()
 
 
 def test_a_rank_without_its_gpu_is_named(monkeypatch):
@@ -388,11 +521,22 @@ def test_a_rank_without_its_gpu_is_named(monkeypatch):
     (["nowhere", "--output", "x.parquet"], "INPUT nowhere: no such file or directory"),
     (["imgs", "--output", "x.csv"], "--output must end in .parquet or .npy"),
     (["imgs/*.tiff", "--output", "x.parquet"], r"INPUT imgs/\*.tiff: names no files"),
+    (["shards/{00005..00009}.tar", "--output", "x.parquet"],
+     r"INPUT shards/\{00005..00009\}.tar: names no files \(shards/00005.tar, the first of its 5 names, does not "
+     r"exist\)"),
+    (["nosuch://data/", "--output", "x.parquet"], "nosuch://data/: no fsspec file system reads nosuch:// URLs"),
 ])
 def test_usage_errors_exit_2(args, match, capsys):
     assert _embed(*args[:1], "--model", "deit", *args[1:]) == 2
     err = capsys.readouterr().err
     assert err.startswith("vit-triton embed: error: ") and re.search(match, err), err
+
+
+def test_a_protocol_without_its_package_exits_2(missing_protocol, capsys):
+    protocol, err = missing_protocol
+    assert _embed(f"{protocol}://bucket/{SHARDS}", "--model", "deit", "--output", "x.parquet") == 2
+    assert capsys.readouterr().err == (f"vit-triton embed: error: {protocol}://bucket/shards/00000.tar: fsspec's "
+                                       f"{protocol}:// file system needs a package that is not installed: {err}\n")
 
 
 def test_missing_model_exits_2(capsys):
@@ -407,20 +551,6 @@ def test_outputs_from_other_settings_or_other_programs_are_not_touched(single, w
     assert _embed("imgs", "--model", "deit", "--output", "foreign.parquet", *RUN) == 2
     assert "was not written by vit-triton embed" in capsys.readouterr().err
     assert (work / "foreign.parquet").read_bytes() == b"PAR1 not ours"
-
-
-def test_list_inputs(tmp_path):
-    (tmp_path / "a" / ".hidden").mkdir(parents=True)
-    for name in ("b.jpg", "a/c.png", "a/.d.png", "a/.hidden/e.png", "a/notes.txt"):
-        (tmp_path / name).write_bytes(b"x")
-    root = str(tmp_path)
-    assert list_inputs(root) == [f"{root}/b.jpg", f"{root}/a/c.png", f"{root}/a/notes.txt"]
-    assert list_inputs(f"{root}/**/*.png") == [f"{root}/a/c.png"]
-    assert list_inputs(f"{root}/b.jpg") == [f"{root}/b.jpg"]
-    (tmp_path / "list.txt").write_text("one.jpg\n\n two.png\r\n")
-    assert list_inputs(f"{root}/list.txt") == ["one.jpg", " two.png"]
-    with pytest.raises(FileNotFoundError, match="names no files"):
-        list_inputs(f"{root}/*.gif")
 
 
 def test_embed_images_gives_what_embed_writes(single):

@@ -118,7 +118,7 @@ outputs (OUT = emb.parquet or emb.npy):
 
 several GPUs: torchrun --nproc-per-node N -m vit_triton embed INPUT --model M --output OUT
   shards the chunks over the processes and writes the same output as one process.""",
-        help="write one embedding per image of a folder, list or glob: resumable, on one or several GPUs",
+        help="write one embedding per image of a folder, list, glob or tar shards: resumable, on one or several GPUs",
         description=textwrap.fill(
             "Embed every image of INPUT with a checkpoint: decode and preprocess in DataLoader worker processes "
             "while the GPU runs, write finished chunks atomically, merge them into OUT at the end. Files that "
@@ -129,7 +129,10 @@ several GPUs: torchrun --nproc-per-node N -m vit_triton embed INPUT --model M --
     )
     embed.add_argument("input", metavar="INPUT",
                        help="a directory (recursive; hidden files left out), a text file of paths (one per line, "
-                            "relative to the current directory), or a glob pattern in quotes ('imgs/**/*.jpg')")
+                            "relative to the current directory), or a glob pattern in quotes ('imgs/**/*.jpg'); or "
+                            "tar shards (webdataset's layout): one .tar, a brace range ('data/{00000..00099}.tar'), "
+                            "a glob, folder or list of them. Any of these may be a URL fsspec opens (s3://, gs://, "
+                            "https://, with its package installed)"),
     embed.add_argument("--model", required=True, help=_MODEL_HELP)
     embed.add_argument("--output", required=True, metavar="OUT",
                        help="the output file: .parquet (Parquet) or .npy (NumPy, with OUT's .paths.json)")
@@ -144,7 +147,8 @@ several GPUs: torchrun --nproc-per-node N -m vit_triton embed INPUT --model M --
                             "less one); 0 decodes in the main process, without overlap")
     embed.add_argument("--chunk-size", type=positive_int, default=None,
                        help="images per chunk: the unit written atomically and redone after a kill (default 4096, "
-                            "512 with --tokens); a resumed run must use the same")
+                            "512 with --tokens); a resumed run must use the same. A tar shard is one chunk, written "
+                            "this many images at a time")
     embed.add_argument("--overwrite", action="store_true",
                        help="delete OUT and any unfinished run into it, and start over")
     embed.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,

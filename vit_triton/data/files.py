@@ -1,93 +1,118 @@
-"""Image files as a stream of pixel batches: which files an INPUT names, and a Dataset that decodes
-and resizes them (in DataLoader workers), turning unreadable files into reasons instead of errors."""
+"""Images as a stream of pixel batches: Datasets of image files and of tar shards that decode and resize
+them (in DataLoader workers) through one shared step, turning unreadable images into reasons instead of errors."""
 
 from __future__ import annotations
 
 import ctypes
-import glob
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from PIL import Image
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
-from .decode import UnreadableImage, load_image
+from .decode import UnreadableImage, decode_image
 from .preprocess import Preprocess
+from .sources import read_bytes, tar_images
 
-_GLOB_CHARS = "*?["
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-def list_inputs(spec: str) -> list[str]:
-    """The files INPUT names, in a fixed order.
-
-    A directory: every file under it, recursively, sorted, hidden files and directories (".name")
-    left out; non-images among them are listed as skipped later, not dropped silently. A file with
-    an image suffix: that one image. Another file: a list of paths, one per line (relative paths
-    are relative to the current directory). Anything else with * ? or [: a glob pattern (** spans
-    directories). Raises FileNotFoundError if INPUT is none of these or names no file.
-    """
-    path = Path(spec)
-    if path.is_dir():
-        files = []
-        for root, dirs, names in os.walk(path, followlinks=True):
-            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-            files += [os.path.join(root, n) for n in sorted(names) if not n.startswith(".")]
-    elif path.is_file():
-        if path.suffix.lower() in Image.registered_extensions():
-            return [spec]
-        with open(path, encoding="utf-8") as f:
-            files = [line.rstrip("\r\n") for line in f if line.strip()]
-    elif any(c in spec for c in _GLOB_CHARS):
-        files = sorted(p for p in glob.glob(spec, recursive=True) if not os.path.isdir(p))
-    else:
-        raise FileNotFoundError(f"INPUT {spec}: no such file or directory, and not a glob pattern")
-    if not files:
-        raise FileNotFoundError(f"INPUT {spec}: names no files")
-    return files
 
 
 @dataclass
 class Batch:
-    """Decoded images of one batch: uint8 pixels [n, C, H, W] of the readable ones, in order, with
-    their indices in the input list; the unreadable ones as (index, reason)."""
+    """One batch of images: each one's name (a path, or SHARD#MEMBER) and None or the reason it cannot be read,
+    in order; uint8 pixels [n, C, H, W] of the readable ones, in order. For embed, all of them are of one chunk
+    (its unit of work, which batches never span), and `last` says the batch ends it."""
 
-    indices: list[int]
+    chunk: int
+    names: list[str]
+    reasons: list[str | None]
     pixels: torch.Tensor
-    skipped: list[tuple[int, str]]
+    last: bool
+
+    @property
+    def readable(self) -> list[str]:
+        return [name for name, reason in zip(self.names, self.reasons) if reason is None]
+
+    @property
+    def skipped(self) -> list[tuple[str, str]]:
+        return [(name, reason) for name, reason in zip(self.names, self.reasons) if reason is not None]
 
     def pin_memory(self) -> Batch:  # called by DataLoader(pin_memory=True) in its pinning thread
         self.pixels = self.pixels.pin_memory()
         return self
 
 
-class ImageFiles(Dataset):
-    """Item i: (i, uint8 pixels [C, H, W] resized and cropped by `preprocess`, or None, reason or None)."""
+def image_item(data: bytes, preprocess: Preprocess) -> tuple[torch.Tensor | None, str | None]:
+    """The one step from an image's bytes to what a batch holds, for files and shards alike: (uint8 pixels
+    [C, H, W] resized and cropped by `preprocess`, None), or (None, the reason the bytes are no image)."""
+    try:
+        image = decode_image(data, "L" if preprocess.channels == 1 else "RGB")
+    except UnreadableImage as e:
+        return None, str(e)
+    return preprocess.resize_crop(image), None
 
-    def __init__(self, paths: list[str], preprocess: Preprocess) -> None:
+
+def make_batch(chunk: int, items: list[tuple[str, torch.Tensor | None, str | None]], last: bool,
+               preprocess: Preprocess) -> Batch:
+    """The Batch of (name, pixels or None, reason or None) items, from image_item."""
+    pixels = [p for _, p, _ in items if p is not None]
+    c, (h, w) = preprocess.channels, preprocess.size
+    stacked = torch.stack(pixels) if pixels else torch.empty(0, c, h, w, dtype=torch.uint8)
+    return Batch(chunk, [name for name, _, _ in items], [reason for _, _, reason in items], stacked, last)
+
+
+class ImageFiles(Dataset):
+    """Item i: (i, uint8 pixels [C, H, W] resized and cropped by `preprocess`, or None, reason or None) of path i,
+    a local path or a URL. Paths k*chunk_size onwards are chunk k, as embed cuts them (a batch must not span two),
+    the chunk collate gives its batch; without chunk_size, the paths are one chunk."""
+
+    def __init__(self, paths: list[str], preprocess: Preprocess, chunk_size: int | None = None) -> None:
         self.paths = paths
         self.preprocess = preprocess
-        self.mode = "L" if preprocess.channels == 1 else "RGB"
+        self.chunk_size = chunk_size or max(len(paths), 1)
 
     def __len__(self) -> int:
         return len(self.paths)
 
     def __getitem__(self, index: int) -> tuple[int, torch.Tensor | None, str | None]:
         try:
-            image = load_image(self.paths[index], self.mode)
+            data = read_bytes(self.paths[index])
         except UnreadableImage as e:
             return index, None, str(e)
-        return index, self.preprocess.resize_crop(image), None
+        return (index, *image_item(data, self.preprocess))
 
     def collate(self, items: list[tuple[int, torch.Tensor | None, str | None]]) -> Batch:
-        good = [(i, p) for i, p, _ in items if p is not None]
-        c, (h, w) = self.preprocess.channels, self.preprocess.size
-        pixels = torch.stack([p for _, p in good]) if good else torch.empty(0, c, h, w, dtype=torch.uint8)
-        return Batch([i for i, _ in good], pixels, [(i, reason) for i, p, reason in items if p is None])
+        chunk = items[0][0] // self.chunk_size
+        end = min((chunk + 1) * self.chunk_size, len(self.paths))
+        return make_batch(chunk, [(self.paths[i], p, reason) for i, p, reason in items], items[-1][0] + 1 == end,
+                          self.preprocess)
+
+
+class TarShards(IterableDataset):
+    """Batches of at most batch_size images of tar shards, one chunk each: `shards` is [(chunk, path or URL)].
+    A DataLoader worker reads whole shards (worker w of n every n-th); a batch never spans two, and the last of
+    a shard is marked, since how many images a shard holds is known only once it is read. An image member is
+    named SHARD#MEMBER; a damaged shard keeps the images before the damage, which is reported under its name."""
+
+    def __init__(self, shards: list[tuple[int, str]], preprocess: Preprocess, batch_size: int) -> None:
+        self.shards, self.preprocess, self.batch_size = shards, preprocess, batch_size
+
+    def __iter__(self) -> Iterator[Batch]:
+        worker = get_worker_info()
+        for chunk, shard in self.shards[worker.id::worker.num_workers] if worker else self.shards:
+            items = []
+            try:
+                for member, data in tar_images(shard):
+                    items.append((f"{shard}#{member}", *image_item(data, self.preprocess)))
+                    if len(items) == self.batch_size:
+                        yield make_batch(chunk, items, False, self.preprocess)
+                        items = []
+            except UnreadableImage as e:
+                items.append((shard, None, str(e)))
+            yield make_batch(chunk, items, True, self.preprocess)
 
 
 def worker_init(main_pid: int, _: int) -> None:

@@ -26,12 +26,12 @@ def classify(model, paths: list[str], *, top_k: int = 5, batch_size: int = 8,
     k = min(top_k, model.config.num_classes)
     with torch.inference_mode():
         for batch in DataLoader(dataset, batch_size=batch_size, collate_fn=dataset.collate):
-            results = {i: {"path": paths[i], "error": reason} for i, reason in batch.skipped}
-            if batch.indices:
+            predictions = []
+            if len(batch.pixels):
                 logits = model(pre.normalize(batch.pixels.to(device)))
                 probs, classes = logits.float().softmax(-1).topk(k)
-                for i, p, c in zip(batch.indices, probs.tolist(), classes.tolist()):
-                    results[i] = {"path": paths[i], "predictions": [
-                        {"index": ci, "label": id2label.get(ci, f"LABEL_{ci}"), "probability": pi}
-                        for pi, ci in zip(p, c)]}
-            yield from (results[i] for i in sorted(results))
+                predictions = [[{"index": ci, "label": id2label.get(ci, f"LABEL_{ci}"), "probability": pi}
+                                for pi, ci in zip(p, c)] for p, c in zip(probs.tolist(), classes.tolist())]
+            readable = iter(predictions)  # in order, one for each path without a reason
+            for path, reason in zip(batch.names, batch.reasons):
+                yield {"path": path, "error": reason} if reason else {"path": path, "predictions": next(readable)}

@@ -1,11 +1,13 @@
-"""`vit-triton embed`: one embedding per image for a folder, list or glob of any size.
+"""`vit-triton embed`: one embedding per image for a folder, list or glob of any size, or for tar shards
+(webdataset's layout), local or at URLs.
 
-Per process: DataLoader workers decode, resize and crop (uint8) while the GPU runs the previous
+Per process: DataLoader workers read, decode, resize and crop (uint8) while the GPU runs the previous
 batches; pinned batches are copied without blocking, normalized on the device (on a GPU, a full
 batch's normalizing, forward and pooling replay one CUDA graph), and each batch's results come back
 through pinned memory one batch later, so that copying and writing overlap the next forward. Batches
-never straddle a chunk (store.py), so a batch holds the same images however the work is split, and a
-resumed or a torchrun run writes what one uninterrupted process would.
+never straddle a chunk (store.py: chunk_size files, or one tar shard, which one worker reads whole), so a
+batch holds the same images however the work is split, and a resumed or a torchrun run writes what one
+uninterrupted process would.
 
 Under torchrun (WORLD_SIZE > 1) rank 0 locks the output for the whole run, lists the inputs and
 chooses the chunks still to do; rank r takes every world-th of them; rank 0 merges when all are done.
@@ -19,7 +21,7 @@ import os
 import sys
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import numpy as np
@@ -28,9 +30,11 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Sampler
 
 from ..data import Preprocess, UnreadableImage, load_image
-from ..data.files import Batch, ImageFiles, list_inputs, worker_init
+from ..data.files import Batch, ImageFiles, TarShards, worker_init
+from ..data.sources import is_shard, list_inputs
 from ..loaders import from_pretrained
 from ..runtime import CUDAGraphRunner
+from ..utils import MissingExtra
 from .store import ChunkStore, Summary, UsageError, check_image_size
 
 OUTPUT_DTYPES = {"float32": torch.float32, "float16": torch.float16}
@@ -69,23 +73,38 @@ class ChunkBatches(Sampler[list[int]]):
         return sum(-(-len(r) // self.batch_size) for r in self.ranges)
 
 
+@dataclass
+class _Chunk:
+    """A chunk in flight: its rows not yet written, and what it has written."""
+
+    names: list[str] = field(default_factory=list)
+    arrays: list[list[np.ndarray]] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    parts: int = 0
+    rows: int = 0
+
+
 class ChunkWriter:
-    """Collects the rows of the chunks in flight and writes each one when its last input is in."""
+    """Collects the rows of the chunks in flight: writes a chunk's rows in parts, each once it holds part_rows
+    rows or the chunk ends (so that a shard of any size holds little memory), then its done marker."""
 
-    def __init__(self, store: ChunkStore, ranges: dict[int, range]) -> None:
-        self.store, self.ranges = store, ranges
-        self.parts: dict[int, dict] = {}
+    def __init__(self, store: ChunkStore, part_rows: int) -> None:
+        self.store, self.part_rows = store, part_rows
+        self.chunks: dict[int, _Chunk] = {}
 
-    def add(self, chunk: int, indices: list[int], arrays: list[np.ndarray], skipped: list[tuple[int, str]]) -> None:
-        part = self.parts.setdefault(chunk, {"indices": [], "arrays": [], "skipped": []})
-        part["indices"] += indices
-        part["arrays"].append(arrays)
-        part["skipped"] += skipped
-        if len(part["indices"]) + len(part["skipped"]) == len(self.ranges[chunk]):
-            del self.parts[chunk]
-            embedding, *tokens = (np.concatenate(a) for a in zip(*part["arrays"]))
-            self.store.write_chunk(chunk, np.asarray(part["indices"], dtype=np.int64), embedding,
-                                   tokens[0] if tokens else None, part["skipped"])
+    def add(self, batch: Batch, arrays: list[np.ndarray]) -> None:
+        chunk = self.chunks.setdefault(batch.chunk, _Chunk())
+        chunk.names += batch.readable
+        chunk.arrays.append(arrays)
+        chunk.skipped += batch.skipped
+        if len(chunk.names) >= self.part_rows or batch.last:
+            embedding, *tokens = (np.concatenate(a) for a in zip(*chunk.arrays))
+            self.store.write_part(batch.chunk, chunk.parts, chunk.names, embedding, tokens[0] if tokens else None)
+            chunk.parts, chunk.rows = chunk.parts + 1, chunk.rows + len(chunk.names)
+            chunk.names, chunk.arrays = [], []
+        if batch.last:
+            del self.chunks[batch.chunk]
+            self.store.finish_chunk(batch.chunk, chunk.parts, chunk.rows, chunk.skipped)
 
 
 class _InFlight:
@@ -146,10 +165,10 @@ def _launch(compute, graphed, batch: Batch, device: torch.device, batch_size: in
             empty: list[torch.Tensor]) -> _InFlight:
     """Starts a batch: copied in, computed (a full batch from its CUDA graph, when there is one), and its results
     on their way to pinned host memory."""
-    if not batch.indices:
+    if not len(batch.pixels):
         return _InFlight(batch, empty, None)
     pixels = batch.pixels.to(device, non_blocking=True)
-    outputs = graphed(pixels) if graphed is not None and len(batch.indices) == batch_size else compute(pixels)
+    outputs = graphed(pixels) if graphed is not None and len(pixels) == batch_size else compute(pixels)
     cuda = device.type == "cuda"
     host = [torch.empty(o.shape, dtype=o.dtype, pin_memory=cuda).copy_(o, non_blocking=cuda) for o in outputs]
     event = None
@@ -268,7 +287,7 @@ def _embed(opts: EmbedOptions, rank: int, world: int, local_rank: int, log) -> S
         def plan():
             nonlocal inputs
             inputs, state = store.prepare(lambda: _list(opts.input), log, overwrite=opts.overwrite)
-            return state, None if inputs is None else store.pending(len(inputs))
+            return state, None if inputs is None else store.pending(inputs)
 
         state, pending = _from_rank0(plan, rank, world)
         if state == "complete":
@@ -277,10 +296,10 @@ def _embed(opts: EmbedOptions, rank: int, world: int, local_rank: int, log) -> S
         if inputs is None:
             inputs = store.read_inputs()
         if state == "resumed":
-            total = store.num_chunks(len(inputs))
+            total = store.num_chunks(inputs)
             log(f"vit-triton embed: resuming {opts.output}: {total - len(pending)} of {total} chunks already done")
 
-        mine = {k: store.chunk_range(k, len(inputs)) for k in pending[rank::world]}
+        mine = {k: store.chunk_range(k, inputs) for k in pending[rank::world]}
         start = time.perf_counter()
         processed = _run(model, pre, inputs, mine, store, opts, device, batch_size, rank, world, local_rank)
         processed = _sum(processed, world)
@@ -298,7 +317,7 @@ def _embed(opts: EmbedOptions, rank: int, world: int, local_rank: int, log) -> S
 def _list(spec: str) -> list[str]:
     try:
         return list_inputs(spec)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ValueError, MissingExtra) as e:  # every rank must hear of it: a UsageError
         raise UsageError(str(e)) from None
 
 
@@ -307,33 +326,39 @@ def _run(model, pre: Preprocess, inputs: list[str], chunks: dict[int, range], st
     """Embed this rank's chunks; returns how many inputs it handled."""
     from tqdm import tqdm
 
-    dataset = ImageFiles(inputs, pre)
     workers = opts.num_workers
     if workers is None:
         # Decoding is the bottleneck (about 100-200 JPEGs/s per core): every core but the main process's.
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         workers = max(1, (os.cpu_count() or 1) // local_world - 1)
-    loader = DataLoader(dataset, batch_sampler=ChunkBatches(list(chunks.values()), batch_size),
-                        num_workers=workers, collate_fn=dataset.collate, pin_memory=device.type == "cuda",
+    shards = is_shard(inputs[0])
+    if shards:  # batches made as each shard is read, by the worker reading it
+        dataset = TarShards([(k, inputs[r.start]) for k, r in chunks.items()], pre, batch_size)
+        batching = {"batch_size": None}
+    else:
+        dataset = ImageFiles(inputs, pre, store.chunk_size)
+        batching = {"batch_sampler": ChunkBatches(list(chunks.values()), batch_size), "collate_fn": dataset.collate}
+    loader = DataLoader(dataset, **batching, num_workers=workers, pin_memory=device.type == "cuda",
                         worker_init_fn=functools.partial(worker_init, os.getpid()) if workers else None,
                         persistent_workers=False)
-    writer = ChunkWriter(store, chunks)
+    writer = ChunkWriter(store, store.chunk_size)
     out_dtype = OUTPUT_DTYPES[opts.output_dtype]
     cfg = model.config
     empty = [torch.empty(0, cfg.embedding_dim, dtype=out_dtype)]
     if opts.tokens:
         rows, cols = model.grid(*pre.size)
         empty.append(torch.empty(0, cfg.num_prefix_tokens + rows * cols, cfg.embed_dim, dtype=out_dtype))
-    total = sum(len(r) for r in chunks.values())
+    total = None if shards else sum(len(r) for r in chunks.values())  # a shard's count is known once it is read
     show = opts.progress if opts.progress is not None else sys.stderr.isatty()
     desc = "embed" if world == 1 else f"embed (rank 0 of {world})"
     bar = tqdm(total=total, unit="img", desc=desc, disable=not show or rank != 0, dynamic_ncols=True)
+    handled = 0
 
     def finish(flight: _InFlight) -> None:
-        b = flight.batch
-        chunk = (b.indices or [i for i, _ in b.skipped])[0] // store.chunk_size
-        writer.add(chunk, b.indices, flight.wait(), b.skipped)
-        bar.update(len(b.indices) + len(b.skipped))
+        nonlocal handled
+        writer.add(flight.batch, flight.wait())
+        bar.update(len(flight.batch.names))
+        handled += len(flight.batch.names)
 
     compute = embedding_fn(model, pre, opts.normalize, opts.tokens, out_dtype)
     # On a GPU, full batches replay one CUDA graph (an eager forward waits on Python's
@@ -349,5 +374,5 @@ def _run(model, pre: Preprocess, inputs: list[str], chunks: dict[int, range], st
         if in_flight is not None:
             finish(in_flight)
     bar.close()
-    assert not writer.parts, f"chunks left unfinished: {sorted(writer.parts)}"
-    return total
+    assert not writer.chunks, f"chunks left unfinished: {sorted(writer.chunks)}"
+    return handled

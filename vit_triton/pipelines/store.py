@@ -6,22 +6,25 @@ While running, for OUT = embeddings.parquet (or embeddings.npy), the run holds a
 directory OUT.partial/ holds
 
   manifest.json         the settings that decide the output; a resumed run must have the same
-  inputs.jsonl          the input paths, one JSON string per line: line i is input i
-  chunk-000012.npz      chunk 12 (inputs 12*C .. 13*C-1): index, embedding [n, D] (, tokens [n, T, D])
-  chunk-000012.json     its done marker, written after the data: rows, and the skipped (index, reason)
+  inputs.jsonl          the input paths (image files or tar shards), one JSON string per line: line i is input i
+  chunk-000012-0000.npz part 0 of chunk 12's rows (about C a part): name, embedding [n, D] (, tokens [n, T, D])
+  chunk-000012.json     its done marker, written after its parts: rows, parts, and the skipped (name, reason)
   base.*                when adding new inputs to a finished output: its files as they were (hard links)
 
-Every file goes to a temporary name, is flushed to disk and renamed, so a chunk is either complete
-or absent; a resumed run redoes exactly the chunks without a marker. The finished output is
+Chunk 12 is image files 12*C .. 13*C-1 (C = chunk_size), or tar shard 12: its images are found as it is
+read, so a chunk holds as many rows as it turns out to. Every file goes to a temporary name, is flushed to
+disk and renamed, so a chunk is either complete or absent; a resumed run redoes exactly the chunks without a
+marker. The finished output is
 
   embeddings.parquet    columns path (string), embedding (fixed-size list), tokens (optional)
   or embeddings.npy [N, D] + embeddings.paths.json (its paths, row for row) (+ embeddings.tokens.npy)
   embeddings.skipped.tsv  path and reason of each input that is not an image or cannot be read
 
-in input order, skipped inputs left out. The settings travel in the output (Parquet metadata, the
-paths file), so running a finished command again is recognised: it embeds only the files new in INPUT
-and writes their rows after the output's (inputs gone from INPUT are named, and stay in the output).
-INPUT is recorded and compared as an absolute path: imgs, imgs/ and ./imgs are one folder.
+in input order (a shard's images in archive order, named SHARD#MEMBER), skipped inputs left out. The
+settings travel in the output (Parquet metadata, the paths file), and for shards the list of those read, so
+running a finished command again is recognised: it embeds only the files new in INPUT and writes their rows
+after the output's (inputs gone from INPUT are named, and stay in the output). INPUT is recorded and compared
+as an absolute path (a URL as it is): imgs, imgs/ and ./imgs are one folder.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..data.sources import absolute, is_shard
 from ..utils import require, write_atomic
 
 FORMATS = (".parquet", ".npy")
@@ -151,7 +155,12 @@ class ChunkStore:
                 raise UsageError(f"{self.output} exists and was not written by vit-triton embed: choose another "
                                  f"--output or pass --overwrite")
             self._check_same(meta["settings"], f"{self.output} was written")
-            added, removed = _changes(self.written_inputs(), list_inputs())
+            listed = list_inputs()
+            if ("shards" in meta) != is_shard(listed[0]):
+                kinds = ("image files", "tar shards") if is_shard(listed[0]) else ("tar shards", "image files")
+                raise UsageError(f"{self.output} was written from {kinds[0]}, but INPUT now names {kinds[1]}: "
+                                 f"pass --overwrite to start over")
+            added, removed = _changes(self.written_inputs(), listed)
             if removed:
                 log(f"vit-triton embed: warning: {len(removed)} input(s) of {self.output} are no longer in INPUT "
                     f"(the first: {removed[0]}): they stay in it; pass --overwrite to embed INPUT as it is now")
@@ -199,60 +208,74 @@ class ChunkStore:
         with open(self.work / "inputs.jsonl", encoding="utf-8") as f:
             return [json.loads(line) for line in f]
 
-    def num_chunks(self, num_inputs: int) -> int:
-        return -(-num_inputs // self.chunk_size)
+    def _inputs_per_chunk(self, inputs: list[str]) -> int:
+        return 1 if inputs and is_shard(inputs[0]) else self.chunk_size
 
-    def chunk_range(self, chunk: int, num_inputs: int) -> range:
-        return range(chunk * self.chunk_size, min((chunk + 1) * self.chunk_size, num_inputs))
+    def num_chunks(self, inputs: list[str]) -> int:
+        return -(-len(inputs) // self._inputs_per_chunk(inputs))
 
-    def pending(self, num_inputs: int) -> list[int]:
+    def chunk_range(self, chunk: int, inputs: list[str]) -> range:
+        """The indices of chunk `chunk`'s inputs: chunk_size image files, or one tar shard."""
+        size = self._inputs_per_chunk(inputs)
+        return range(chunk * size, min((chunk + 1) * size, len(inputs)))
+
+    def pending(self, inputs: list[str]) -> list[int]:
         """Chunks without a done marker, in order."""
-        return [k for k in range(self.num_chunks(num_inputs)) if not self._marker(k).is_file()]
+        return [k for k in range(self.num_chunks(inputs)) if not self._marker(k).is_file()]
 
     def _marker(self, chunk: int) -> Path:
         return self.work / f"chunk-{chunk:06d}.json"
 
-    def _data(self, chunk: int) -> Path:
-        return self.work / f"chunk-{chunk:06d}.npz"
+    def _part(self, chunk: int, part: int) -> Path:
+        return self.work / f"chunk-{chunk:06d}-{part:04d}.npz"
 
     # -- writing --
 
-    def write_chunk(self, chunk: int, indices: np.ndarray, embedding: np.ndarray, tokens: np.ndarray | None,
-                    skipped: list[tuple[int, str]]) -> None:
-        arrays = {"index": indices, "embedding": embedding, **({"tokens": tokens} if tokens is not None else {})}
-        write_atomic(self._data(chunk), lambda f: np.savez(f, **arrays))
+    def write_part(self, chunk: int, part: int, names: list[str], embedding: np.ndarray,
+                   tokens: np.ndarray | None) -> None:
+        """Rows of a chunk, in order: part 0, 1, ... of it; finish_chunk says how many parts it has."""
+        arrays = {"name": np.array(names, dtype=str), "embedding": embedding,
+                  **({"tokens": tokens} if tokens is not None else {})}
+        write_atomic(self._part(chunk, part), lambda f: np.savez(f, **arrays))
+
+    def finish_chunk(self, chunk: int, parts: int, rows: int, skipped: list[tuple[str, str]]) -> None:
+        """The done marker of a chunk whose `parts` parts are written: it has `rows` rows, and `skipped` (name,
+        reason), in order, are its inputs that are not embedded."""
         write_atomic(self._marker(chunk), lambda f: f.write(_json_bytes(
-            {"rows": len(indices), "skipped": sorted(skipped)})))
+            {"rows": rows, "parts": parts, "skipped": skipped})))
 
     def finalize(self, inputs: list[str]) -> Summary:
         """Merge the chunks (after the finished output's rows, when adding to it) into the output, write the
         skipped-files list, remove the work directory."""
-        chunks = range(self.num_chunks(len(inputs)))
+        chunks = range(self.num_chunks(inputs))
         missing = [k for k in chunks if not self._marker(k).is_file()]
         if missing:
             raise RuntimeError(f"cannot finish {self.output}: chunks {missing[:10]} are not done")
         markers = [json.loads(self._marker(k).read_text()) for k in chunks]
-        rows = sum(m["rows"] for m in markers)
-        skipped = [(inputs[i], reason) for m in markers for i, reason in m["skipped"]]
+        parts = [self._part(k, p) for k, m in zip(chunks, markers) for p in range(m["parts"])]
         base = self._base(self._done_file).is_file()
-        if base:
-            rows += self.final_metadata(base=True)["done"]
-            skipped = _read_tsv(self._base(self.skipped_file)) + skipped
+        old = self.final_metadata(base=True) if base else {"done": 0}
+        rows = old["done"] + sum(m["rows"] for m in markers)
+        skipped = (_read_tsv(self._base(self.skipped_file)) if base else []) + [
+            (name, reason) for m in markers for name, reason in m["skipped"]]
         write_atomic(self.skipped_file, lambda f: f.write(_tsv(skipped)))
         meta = {"settings": self.settings, "done": rows, "skipped": len(skipped)}
+        if is_shard(inputs[0]):  # what a later run compares INPUT with: its rows name members, not shards
+            meta["shards"] = old.get("shards", []) + inputs
         if self.output.suffix == ".parquet":
-            self._write_parquet(chunks, inputs, meta, base)
+            self._write_parquet(parts, meta, base)
         else:
-            self._write_npy(chunks, inputs, rows, meta, base)
+            self._write_npy(parts, rows, meta, base)
         shutil.rmtree(self.work)
         return Summary(self.output, rows, len(skipped), self.skipped_file)
 
-    def _chunk_arrays(self, chunks):
-        for k in chunks:
-            with np.load(self._data(k)) as data:
+    @staticmethod
+    def _part_arrays(parts: list[Path]):
+        for part in parts:
+            with np.load(part) as data:
                 yield {name: data[name] for name in data.files}
 
-    def _write_parquet(self, chunks, inputs: list[str], meta: dict, base: bool) -> None:
+    def _write_parquet(self, parts: list[Path], meta: dict, base: bool) -> None:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
@@ -260,8 +283,8 @@ class ChunkStore:
             if base:
                 with pq.ParquetFile(self._base(self.output)) as old:
                     yield from (old.read_row_group(g) for g in range(old.num_row_groups))
-            for arrays in self._chunk_arrays(chunks):
-                columns = {"path": pa.array([inputs[i] for i in arrays["index"]], pa.string()),
+            for arrays in self._part_arrays(parts):
+                columns = {"path": pa.array(arrays["name"].tolist(), pa.string()),
                            "embedding": _fixed_size_lists(arrays["embedding"])}
                 if "tokens" in arrays:
                     columns["tokens"] = _fixed_size_lists(arrays["tokens"])
@@ -280,8 +303,8 @@ class ChunkStore:
 
         write_atomic(self.output, write)
 
-    def _write_npy(self, chunks, inputs: list[str], rows: int, meta: dict, base: bool) -> None:
-        first = next(self._chunk_arrays(chunks[:1]))
+    def _write_npy(self, parts: list[Path], rows: int, meta: dict, base: bool) -> None:
+        first = next(self._part_arrays(parts[:1]))
         targets = {"embedding": self.output, "tokens": self.tokens_file}
         # The paths file says the output is complete: gone first (a finished output's, when adding to it), back last.
         self.paths_file.unlink(missing_ok=True)
@@ -289,16 +312,16 @@ class ChunkStore:
             shape, dtype = first[name].shape[1:], first[name].dtype
             tmp = targets[name].with_name(targets[name].name + f".tmp-{os.getpid()}")
             out = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(rows, *shape))
-            parts = [np.load(self._base(targets[name]), mmap_mode="r")] if base else []
+            bases = [np.load(self._base(targets[name]), mmap_mode="r")] if base else []
             row = 0
-            for part in [*parts, *(arrays[name] for arrays in self._chunk_arrays(chunks))]:
-                out[row:row + len(part)] = part
-                row += len(part)
+            for array in [*bases, *(arrays[name] for arrays in self._part_arrays(parts))]:
+                out[row:row + len(array)] = array
+                row += len(array)
             out.flush()
             del out
             os.replace(tmp, targets[name])
         paths = json.loads(self._base(self.paths_file).read_text())["paths"] if base else []
-        paths += [inputs[i] for arrays in self._chunk_arrays(chunks) for i in arrays["index"]]
+        paths += [name for arrays in self._part_arrays(parts) for name in arrays["name"].tolist()]
         write_atomic(self.paths_file, lambda f: f.write(_json_bytes({**meta, "paths": paths})))
 
     # -- reading a finished output --
@@ -319,8 +342,12 @@ class ChunkStore:
             return None
 
     def written_inputs(self, base: bool = False) -> list[str]:
-        """The inputs of a finished output (of its copy in the work directory with base): the paths of its
-        rows, then those of its skipped-files list (none if that was deleted: they are tried again)."""
+        """The inputs of a finished output (of its copy in the work directory with base): the shards it read;
+        else the paths of its rows, then those of its skipped-files list (none if that was deleted: they are
+        tried again)."""
+        meta = self.final_metadata(base)
+        if "shards" in meta:
+            return meta["shards"]
         output, paths_file, skipped_file = (self._base(p) if base else p
                                             for p in (self.output, self.paths_file, self.skipped_file))
         if output.suffix == ".parquet":
@@ -354,12 +381,12 @@ def _read_tsv(path: Path) -> list[tuple[str, str]]:
 
 
 def _absolute_input(settings: dict) -> dict:
-    return {**settings, "input": os.path.abspath(settings["input"])}
+    return {**settings, "input": absolute(settings["input"])}
 
 
 def _changes(old: list[str], new: list[str]) -> tuple[list[str], list[str]]:
     """(the paths of `new` not in `old`, in new's order; those of `old` not in `new`), compared as absolute paths."""
-    old_abs, new_abs = ([os.path.abspath(p) for p in paths] for paths in (old, new))
+    old_abs, new_abs = ([absolute(p) for p in paths] for paths in (old, new))
     had, has = set(old_abs), set(new_abs)
     return [p for p, a in zip(new, new_abs) if a not in had], [p for p, a in zip(old, old_abs) if a not in has]
 
