@@ -25,7 +25,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -33,54 +32,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch  # noqa: E402
 
-from embed_throughput import make_checkpoint, make_images  # noqa: E402
+from embed_throughput import Sampler, make_checkpoint, make_images  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = {"vit-b": "vit_base_patch16_224", "dinov2-l": "vit_large_patch14_dinov2"}
 _DONE = re.compile(r"this run: (\d+) images in ([\d.]+) s")
-
-
-def make_folder(root: Path, count: int, distinct: int) -> Path:
-    """`count` JPEG paths under root/images: `distinct` generated ones, then hard links to them in turn."""
-    folder = root / "images"
-    paths = make_images(folder, min(count, distinct))
-    for i in range(len(paths), count):
-        link = folder / f"{i // 1000:03d}" / f"img{i:06d}.jpg"
-        link.parent.mkdir(exist_ok=True)
-        if not link.exists():  # a --dir of an earlier run keeps its links
-            os.link(paths[i % len(paths)], link)
-    return folder
-
-
-class Sampler:
-    """CPU busy fraction (from /proc/stat) and mean utilisation of GPUs 0..n-1 (nvidia-smi) over a with-block."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __enter__(self):
-        self.cpu0 = _cpu_times()
-        self.gpu: list[float] = []
-        self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
-                                      f"--id={','.join(map(str, range(self.n)))}", "-lms", "500"], stdout=subprocess.PIPE, text=True)
-        self.reader = threading.Thread(target=lambda: [self.gpu.append(float(v)) for v in self.proc.stdout
-                                                       if v.strip().replace(".", "").isdigit()], daemon=True)
-        self.reader.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.proc.terminate()
-        self.proc.wait()
-        busy0, total0 = self.cpu0
-        busy1, total1 = _cpu_times()
-        self.cpu_busy = (busy1 - busy0) / max(total1 - total0, 1)
-        self.gpu_util = sum(self.gpu) / len(self.gpu) if self.gpu else float("nan")
-
-
-def _cpu_times() -> tuple[int, int]:
-    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
-    idle = fields[3] + fields[4]
-    return sum(fields) - idle, sum(fields)
 
 
 def _command(n: int, checkpoint: Path, inputs: Path, output: Path, workers: int | None,
@@ -180,7 +136,8 @@ def main() -> int:
                "torch": torch.__version__, "triton": __import__("triton").__version__, "cpus": os.cpu_count(),
                "distinct_images": args.distinct, "models": {}}
     t0 = time.perf_counter()
-    folder = make_folder(root, max(counts), args.distinct)
+    folder = root / "images"
+    make_images(folder, max(counts), distinct=args.distinct)
     print(f"{max(counts)} JPEG paths ({args.distinct} distinct) in {time.perf_counter() - t0:.1f} s", flush=True)
     all_paths = sorted(str(p) for p in folder.rglob("*.jpg"))
     ok = True

@@ -151,6 +151,11 @@ several GPUs: torchrun --nproc-per-node N -m vit_triton embed INPUT --model M --
                             "this many images at a time")
     embed.add_argument("--overwrite", action="store_true",
                        help="delete OUT and any unfinished run into it, and start over")
+    embed.add_argument("--decode", choices=["cpu", "gpu"], default=None,
+                       help="where JPEGs are decoded and resized: gpu (nvJPEG and a resize kernel; other formats and "
+                            "progressive, CMYK or EXIF-turned JPEGs still on the CPU) or cpu (Pillow in the workers) "
+                            "(default: gpu on a CUDA device with torchvision, where the preprocessing's filter has a "
+                            "kernel)")
     embed.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                        help="progress bar with images/s on stderr (default: when stderr is a terminal)")
     _add_runtime_options(embed, "images per forward pass, per GPU (default 256 on a GPU, 4 in the interpreter)")
@@ -347,13 +352,14 @@ def _embed(args: argparse.Namespace) -> int:
         model=args.model, input=args.input, output=args.output, batch_size=args.batch_size,
         num_workers=args.num_workers, chunk_size=args.chunk_size, normalize=args.normalize, tokens=args.tokens,
         dtype=args.dtype and torch_dtype(args.dtype), output_dtype=args.output_dtype, device=args.device,
-        image_size=args.image_size, overwrite=args.overwrite, progress=args.progress,
+        image_size=args.image_size, overwrite=args.overwrite, progress=args.progress, decode=args.decode,
     ))
     if summary is not None:  # rank 0
         this_run = "nothing to do"
         if summary.processed:
             this_run = (f"{summary.processed} images in {summary.seconds:.1f} s, "
-                        f"{summary.processed / summary.seconds:.1f} images/s")
+                        f"{summary.processed / summary.seconds:.1f} images/s, decoded {summary.gpu_decoded} on the "
+                        f"GPU and {summary.cpu_decoded} on the CPU")
         print(f"vit-triton embed: done {summary.done}, skipped {summary.skipped} (listed in "
               f"{summary.skipped_file}); this run: {this_run} -> {summary.output}", flush=True)
     return EXIT_OK

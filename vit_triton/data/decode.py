@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import os
 
+import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 
@@ -52,3 +53,50 @@ def decode_image(data: bytes, mode: str = "RGB") -> Image.Image:
 def load_image(path: str | os.PathLike, mode: str = "RGB") -> Image.Image:
     """decode_image of the file at `path`; UnreadableImage also for a missing or unreadable file."""
     return decode_image(read_file(path), mode)
+
+
+_EXIF_ORIENTATION = 0x0112
+
+
+def nvjpeg_decodable(data: bytes) -> bool:
+    """Whether nvJPEG should decode `data`: a baseline JPEG in YCbCr or grayscale with no EXIF turn, whole (it ends
+    in the end-of-image marker), read from its header alone. Everything else (PNG, WebP, progressive or CMYK JPEGs,
+    a turned photo, a broken header, a truncated file, which nvJPEG would decode into grey without a word) is
+    decode_image's, which also names what is wrong with a bad file."""
+    if data[:3] != b"\xff\xd8\xff" or data.rstrip(b"\0")[-2:] != b"\xff\xd9":
+        return False
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return (image.format == "JPEG" and image.mode in ("RGB", "L") and "progression" not in image.info
+                    and image.getexif().get(_EXIF_ORIENTATION, 1) == 1)
+    except Exception:  # noqa: BLE001 -- any header Pillow cannot read is decode_image's to report
+        return False
+
+
+def nvjpeg_available(device: torch.device) -> str | None:
+    """None where torchvision decodes JPEGs with nvJPEG on `device`, else the reason it cannot."""
+    if device.type != "cuda":
+        return f"nvJPEG decodes on a CUDA device, and this run is on {device}"
+    try:
+        from torchvision.io import decode_jpeg  # noqa: F401
+    except ImportError:
+        return "torchvision is not installed (pip install 'vit-triton[embed]')"
+    return None
+
+
+def decode_jpegs(encoded: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | str]:
+    """JPEGs (uint8 [n] CPU tensors of their bytes) decoded by nvJPEG on `device`: uint8 RGB [3, H, W] each, or
+    the error nvJPEG gave for that one (the batch is decoded one by one when it fails as a whole)."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    try:
+        return decode_jpeg(encoded, mode=ImageReadMode.RGB, device=device)
+    except RuntimeError:
+        pass
+    decoded = []
+    for data in encoded:
+        try:
+            decoded.append(decode_jpeg(data, mode=ImageReadMode.RGB, device=device))
+        except RuntimeError as e:
+            decoded.append(str(e))
+    return decoded

@@ -8,12 +8,13 @@ import os
 import signal
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
 
 import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
-from .decode import UnreadableImage, decode_image
+from .decode import UnreadableImage, decode_image, decode_jpegs, nvjpeg_decodable
 from .preprocess import Preprocess
 from .sources import read_bytes, tar_images
 
@@ -23,14 +24,19 @@ _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 @dataclass
 class Batch:
     """One batch of images: each one's name (a path, or SHARD#MEMBER) and None or the reason it cannot be read,
-    in order; uint8 pixels [n, C, H, W] of the readable ones, in order. For embed, all of them are of one chunk
-    (its unit of work, which batches never span), and `last` says the batch ends it."""
+    in order; uint8 pixels [n, C, H, W] of the readable ones decoded on the CPU, in order; and, with GPU decoding,
+    the bytes of the JPEGs left to nvJPEG (`jpeg` holds them end to end, `jpeg_ends` where each one ends; `gpu`
+    says which items they are). For embed, all of them are of one chunk (its unit of work, which batches never
+    span), and `last` says the batch ends it."""
 
     chunk: int
     names: list[str]
     reasons: list[str | None]
     pixels: torch.Tensor
     last: bool
+    gpu: list[bool] = field(default_factory=list)
+    jpeg: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.uint8))
+    jpeg_ends: list[int] = field(default_factory=list)
 
     @property
     def readable(self) -> list[str]:
@@ -41,13 +47,53 @@ class Batch:
         return [(name, reason) for name, reason in zip(self.names, self.reasons) if reason is not None]
 
     def pin_memory(self) -> Batch:  # called by DataLoader(pin_memory=True) in its pinning thread
-        self.pixels = self.pixels.pin_memory()
+        self.pixels, self.jpeg = self.pixels.pin_memory(), self.jpeg.pin_memory()
         return self
 
+    def device_pixels(self, preprocess: Preprocess, device: torch.device) -> torch.Tensor:
+        """uint8 pixels [n, C, H, W] on `device` of the readable images, in order: those decoded on the CPU copied
+        there, the JPEGs decoded by nvJPEG and resized and cropped by preprocess.resize_crop_batch. A JPEG nvJPEG
+        fails on is decoded on the CPU instead, or, if it is no image there either, becomes unreadable (its
+        reason set here)."""
+        cpu = self.pixels.to(device, non_blocking=True)
+        if not any(self.gpu):
+            return cpu
+        starts = [0] + self.jpeg_ends[:-1]
+        decoded = iter(decode_jpegs([self.jpeg[a:b] for a, b in zip(starts, self.jpeg_ends)], device))
+        spans = iter(zip(starts, self.jpeg_ends))
+        cpu_rows, gpu_rows, gpu_images, late_rows, late = [], [], [], [], []
+        for i, on_gpu in enumerate(self.gpu):
+            if self.reasons[i] is not None:
+                continue
+            row = len(cpu_rows) + len(gpu_rows) + len(late_rows)
+            if not on_gpu:
+                cpu_rows.append(row)
+                continue
+            image, (a, b) = next(decoded), next(spans)
+            if isinstance(image, torch.Tensor):
+                gpu_rows.append(row)
+                gpu_images.append(image)
+                continue
+            self.gpu[i] = False  # nvJPEG could not: the CPU decodes it, or says why it is no image
+            pixels, self.reasons[i] = image_item(self.jpeg[a:b].numpy().tobytes(), preprocess)
+            if pixels is not None:
+                late_rows.append(row)
+                late.append(pixels)
+        out = torch.empty((len(cpu_rows) + len(gpu_rows) + len(late_rows), preprocess.channels, *preprocess.size),
+                          dtype=torch.uint8, device=device)
+        for rows, pixels in ((cpu_rows, cpu), (gpu_rows, preprocess.resize_crop_batch(gpu_images) if gpu_images
+                                                else None), (late_rows, torch.stack(late).to(device) if late else None)):
+            if rows:
+                out[torch.tensor(rows, device=device)] = pixels
+        return out
 
-def image_item(data: bytes, preprocess: Preprocess) -> tuple[torch.Tensor | None, str | None]:
+
+def image_item(data: bytes, preprocess: Preprocess, gpu_decode: bool = False) -> tuple[torch.Tensor | None, str | None]:
     """The one step from an image's bytes to what a batch holds, for files and shards alike: (uint8 pixels
-    [C, H, W] resized and cropped by `preprocess`, None), or (None, the reason the bytes are no image)."""
+    [C, H, W] resized and cropped by `preprocess`, None), or (None, the reason the bytes are no image); with
+    gpu_decode, a JPEG that nvJPEG takes is left encoded: (its bytes, uint8 [n], None)."""
+    if gpu_decode and nvjpeg_decodable(data):
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8), None
     try:
         image = decode_image(data, "L" if preprocess.channels == 1 else "RGB")
     except UnreadableImage as e:
@@ -57,11 +103,15 @@ def image_item(data: bytes, preprocess: Preprocess) -> tuple[torch.Tensor | None
 
 def make_batch(chunk: int, items: list[tuple[str, torch.Tensor | None, str | None]], last: bool,
                preprocess: Preprocess) -> Batch:
-    """The Batch of (name, pixels or None, reason or None) items, from image_item."""
-    pixels = [p for _, p, _ in items if p is not None]
+    """The Batch of (name, pixels or JPEG bytes or None, reason or None) items, from image_item."""
+    pixels = [p for _, p, _ in items if p is not None and p.dim() == 3]
+    jpegs = [p for _, p, _ in items if p is not None and p.dim() == 1]
     c, (h, w) = preprocess.channels, preprocess.size
     stacked = torch.stack(pixels) if pixels else torch.empty(0, c, h, w, dtype=torch.uint8)
-    return Batch(chunk, [name for name, _, _ in items], [reason for _, _, reason in items], stacked, last)
+    return Batch(chunk, [name for name, _, _ in items], [reason for _, _, reason in items], stacked, last,
+                 gpu=[p is not None and p.dim() == 1 for _, p, _ in items],
+                 jpeg=torch.cat(jpegs) if jpegs else torch.empty(0, dtype=torch.uint8),
+                 jpeg_ends=list(itertools.accumulate(len(j) for j in jpegs)))
 
 
 class ImageFiles(Dataset):
@@ -69,9 +119,11 @@ class ImageFiles(Dataset):
     a local path or a URL. Paths k*chunk_size onwards are chunk k, as embed cuts them (a batch must not span two),
     the chunk collate gives its batch; without chunk_size, the paths are one chunk."""
 
-    def __init__(self, paths: list[str], preprocess: Preprocess, chunk_size: int | None = None) -> None:
+    def __init__(self, paths: list[str], preprocess: Preprocess, chunk_size: int | None = None,
+                 gpu_decode: bool = False) -> None:
         self.paths = paths
         self.preprocess = preprocess
+        self.gpu_decode = gpu_decode
         self.chunk_size = chunk_size or max(len(paths), 1)
 
     def __len__(self) -> int:
@@ -82,7 +134,7 @@ class ImageFiles(Dataset):
             data = read_bytes(self.paths[index])
         except UnreadableImage as e:
             return index, None, str(e)
-        return (index, *image_item(data, self.preprocess))
+        return (index, *image_item(data, self.preprocess, self.gpu_decode))
 
     def collate(self, items: list[tuple[int, torch.Tensor | None, str | None]]) -> Batch:
         chunk = items[0][0] // self.chunk_size
@@ -97,8 +149,10 @@ class TarShards(IterableDataset):
     a shard is marked, since how many images a shard holds is known only once it is read. An image member is
     named SHARD#MEMBER; a damaged shard keeps the images before the damage, which is reported under its name."""
 
-    def __init__(self, shards: list[tuple[int, str]], preprocess: Preprocess, batch_size: int) -> None:
+    def __init__(self, shards: list[tuple[int, str]], preprocess: Preprocess, batch_size: int,
+                 gpu_decode: bool = False) -> None:
         self.shards, self.preprocess, self.batch_size = shards, preprocess, batch_size
+        self.gpu_decode = gpu_decode
 
     def __iter__(self) -> Iterator[Batch]:
         worker = get_worker_info()
@@ -106,7 +160,7 @@ class TarShards(IterableDataset):
             items = []
             try:
                 for member, data in tar_images(shard):
-                    items.append((f"{shard}#{member}", *image_item(data, self.preprocess)))
+                    items.append((f"{shard}#{member}", *image_item(data, self.preprocess, self.gpu_decode)))
                     if len(items) == self.batch_size:
                         yield make_batch(chunk, items, False, self.preprocess)
                         items = []

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Sampler
 
 from ..data import Preprocess, UnreadableImage, load_image
+from ..data.decode import nvjpeg_available
 from ..data.files import Batch, ImageFiles, TarShards, worker_init
 from ..data.sources import is_shard, list_inputs
 from ..loaders import from_pretrained
@@ -56,6 +57,7 @@ class EmbedOptions:
     image_size: tuple[int, int] | None = None   # default: the checkpoint's
     overwrite: bool = False
     progress: bool | None = None         # default: when stderr is a terminal
+    decode: str | None = None            # "cpu" or "gpu"; default: gpu where nvJPEG and the preprocessing can
 
 
 class ChunkBatches(Sampler[list[int]]):
@@ -161,13 +163,12 @@ def embedding_fn(model, pre: Preprocess, normalize: bool, tokens: bool, output_d
     return outputs
 
 
-def _launch(compute, graphed, batch: Batch, device: torch.device, batch_size: int,
+def _launch(compute, graphed, batch: Batch, pixels: torch.Tensor, device: torch.device, batch_size: int,
             empty: list[torch.Tensor]) -> _InFlight:
-    """Starts a batch: copied in, computed (a full batch from its CUDA graph, when there is one), and its results
-    on their way to pinned host memory."""
-    if not len(batch.pixels):
+    """Starts a batch whose pixels are on the device: computed (a full batch from its CUDA graph, when there is
+    one), and its results on their way to pinned host memory."""
+    if not len(pixels):
         return _InFlight(batch, empty, None)
-    pixels = batch.pixels.to(device, non_blocking=True)
     outputs = graphed(pixels) if graphed is not None and len(pixels) == batch_size else compute(pixels)
     cuda = device.type == "cuda"
     host = [torch.empty(o.shape, dtype=o.dtype, pin_memory=cuda).copy_(o, non_blocking=cuda) for o in outputs]
@@ -280,6 +281,8 @@ def _embed(opts: EmbedOptions, rank: int, world: int, local_rank: int, log) -> S
         model = from_pretrained(opts.model, device=device, dtype=dtype)
         check_image_size(model, opts.image_size)
         pre = Preprocess.for_model(model, opts.image_size)
+        decode = _decoding(opts.decode, device, pre)
+        store.settings["decode"] = decode  # the two decoders' pixels differ slightly: one output keeps to one
 
         # Rank 0 decides; everyone gets its decision (or its error, to exit the same way).
         inputs = None
@@ -301,8 +304,8 @@ def _embed(opts: EmbedOptions, rank: int, world: int, local_rank: int, log) -> S
 
         mine = {k: store.chunk_range(k, inputs) for k in pending[rank::world]}
         start = time.perf_counter()
-        processed = _run(model, pre, inputs, mine, store, opts, device, batch_size, rank, world, local_rank)
-        processed = _sum(processed, world)
+        counts = _run(model, pre, inputs, mine, store, opts, device, batch_size, rank, world, decode == "gpu")
+        processed, gpu_decoded, cpu_decoded = (_sum(c, world) for c in counts)
         if world > 1:
             import torch.distributed as dist
 
@@ -311,7 +314,7 @@ def _embed(opts: EmbedOptions, rank: int, world: int, local_rank: int, log) -> S
             return None
         summary = store.finalize(inputs)
         return Summary(summary.output, summary.done, summary.skipped, summary.skipped_file, processed,
-                       time.perf_counter() - start)
+                       time.perf_counter() - start, gpu_decoded, cpu_decoded)
 
 
 def _list(spec: str) -> list[str]:
@@ -321,9 +324,26 @@ def _list(spec: str) -> list[str]:
         raise UsageError(str(e)) from None
 
 
+def _decoding(option: str | None, device: torch.device, pre: Preprocess) -> str:
+    """--decode, or its default: "gpu" where nvJPEG runs and the resize kernel does the checkpoint's
+    preprocessing, else "cpu". UsageError for --decode gpu where it cannot run, naming why."""
+    if option not in (None, "cpu", "gpu"):
+        raise UsageError(f"--decode must be cpu or gpu, got {option!r}")
+    why = nvjpeg_available(device)
+    if why is None and pre.channels != 3:
+        why = f"nvJPEG decodes to RGB, and the model takes {pre.channels} channel(s)"
+    if why is None and not pre.gpu_supported:
+        why = f"the resize kernel has no {pre.resample!r} filter (the checkpoint's preprocessing)"
+    if option == "gpu" and why is not None:
+        raise UsageError(f"--decode gpu: {why}; use --decode cpu")
+    return option or ("gpu" if why is None else "cpu")
+
+
 def _run(model, pre: Preprocess, inputs: list[str], chunks: dict[int, range], store: ChunkStore,
-         opts: EmbedOptions, device: torch.device, batch_size: int, rank: int, world: int, local_rank: int) -> int:
-    """Embed this rank's chunks; returns how many inputs it handled."""
+         opts: EmbedOptions, device: torch.device, batch_size: int, rank: int, world: int,
+         gpu_decode: bool) -> tuple[int, int, int]:
+    """Embed this rank's chunks; returns how many inputs it handled, and how many images nvJPEG and the CPU
+    decoded."""
     from tqdm import tqdm
 
     workers = opts.num_workers
@@ -333,10 +353,10 @@ def _run(model, pre: Preprocess, inputs: list[str], chunks: dict[int, range], st
         workers = max(1, (os.cpu_count() or 1) // local_world - 1)
     shards = is_shard(inputs[0])
     if shards:  # batches made as each shard is read, by the worker reading it
-        dataset = TarShards([(k, inputs[r.start]) for k, r in chunks.items()], pre, batch_size)
+        dataset = TarShards([(k, inputs[r.start]) for k, r in chunks.items()], pre, batch_size, gpu_decode)
         batching = {"batch_size": None}
     else:
-        dataset = ImageFiles(inputs, pre, store.chunk_size)
+        dataset = ImageFiles(inputs, pre, store.chunk_size, gpu_decode)
         batching = {"batch_sampler": ChunkBatches(list(chunks.values()), batch_size), "collate_fn": dataset.collate}
     loader = DataLoader(dataset, **batching, num_workers=workers, pin_memory=device.type == "cuda",
                         worker_init_fn=functools.partial(worker_init, os.getpid()) if workers else None,
@@ -352,7 +372,7 @@ def _run(model, pre: Preprocess, inputs: list[str], chunks: dict[int, range], st
     show = opts.progress if opts.progress is not None else sys.stderr.isatty()
     desc = "embed" if world == 1 else f"embed (rank 0 of {world})"
     bar = tqdm(total=total, unit="img", desc=desc, disable=not show or rank != 0, dynamic_ncols=True)
-    handled = 0
+    handled = decoded_on_gpu = decoded_on_cpu = 0
 
     def finish(flight: _InFlight) -> None:
         nonlocal handled
@@ -367,7 +387,11 @@ def _run(model, pre: Preprocess, inputs: list[str], chunks: dict[int, range], st
     in_flight = None
     with torch.inference_mode():
         for batch in loader:
-            launched = _launch(compute, graphed, batch, device, batch_size, empty)
+            # nvJPEG's work for this batch runs beside the previous batch's forward, on its own stream
+            pixels = batch.device_pixels(pre, device) if gpu_decode else batch.pixels.to(device, non_blocking=True)
+            on_gpu = sum(batch.gpu)
+            decoded_on_gpu, decoded_on_cpu = decoded_on_gpu + on_gpu, decoded_on_cpu + len(pixels) - on_gpu
+            launched = _launch(compute, graphed, batch, pixels, device, batch_size, empty)
             if in_flight is not None:
                 finish(in_flight)  # the previous batch, while the GPU runs this one
             in_flight = launched
@@ -375,4 +399,4 @@ def _run(model, pre: Preprocess, inputs: list[str], chunks: dict[int, range], st
             finish(in_flight)
     bar.close()
     assert not writer.chunks, f"chunks left unfinished: {sorted(writer.chunks)}"
-    return handled
+    return handled, decoded_on_gpu, decoded_on_cpu

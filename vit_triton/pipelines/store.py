@@ -70,6 +70,8 @@ class Summary:
     skipped_file: Path
     processed: int = 0        # inputs handled by this run (embedded or skipped)
     seconds: float = 0.0      # this run's time
+    gpu_decoded: int = 0      # images of this run that nvJPEG decoded
+    cpu_decoded: int = 0      # images of this run decoded on the CPU
 
 
 def _json_bytes(obj) -> bytes:
