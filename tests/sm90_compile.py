@@ -30,6 +30,9 @@ from vit_triton.kernels.linear import (  # noqa: E402
     FLOAT32, LARGE_M, TINY_M, WIDE_RESIDUAL, _linear_plain_kernel, _linear_tma_kernel,
 )
 from vit_triton.kernels.patch_embed import _patch_embed_kernel  # noqa: E402
+from vit_triton.kernels.resize import (  # noqa: E402
+    BLOCK, FILTERS, POSITIONS, SUPPORT, _resize_pass_kernel, _resize_weights_kernel,
+)
 from vit_triton.kernels.tf32 import _round_to_tf32_kernel  # noqa: E402
 from vit_triton.kernels.token_mean import _token_mean_kernel  # noqa: E402
 
@@ -40,6 +43,8 @@ FLOAT_ARGS = {"eps", "qk_scale", "scale"}
 # and copies nothing ahead, so the PTX here would not be the one the GPU runs.
 ALIGNED_INTS = re.compile(r"[NKD]|stride_\w+|s[qkvo]_[bth]")
 LINEAR_OUTPUT = "y"   # the TMA linear kernel's output: a descriptor, or a pointer
+INDEX_POINTERS = {"table_ptr": "*i64", "images_ptr": "*i32", "first_ptr": "*i32", "taps_ptr": "*i32",   # resize's
+                  "meta_ptr": "*i32"}
 # Global loads, stores, copies and atomics in PTX (not the L2 prefetch, an inline asm block of its own).
 MEMORY_OP = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:(?:ld|st)\.global|cp\.async|atom\.|red\.)", re.M)
 
@@ -66,6 +71,8 @@ def compile_kernel(kernel, dtype: str, options: dict, constexprs: dict, descript
             signature[p.name] = "*fp32"
         elif p.name in ("cos_ptr", "sin_ptr"):   # linear's rotary tables, float32 for every dtype
             signature[p.name] = "*fp32"
+        elif p.name in INDEX_POINTERS:
+            signature[p.name] = INDEX_POINTERS[p.name]
         elif p.name.endswith("_ptr") or p.name == LINEAR_OUTPUT:
             signature[p.name] = f"*{element}"
         else:
@@ -169,7 +176,14 @@ def cases():
                                                                       QKV_TF32=pre, O_TF32=pre, **streaming), None)
     yield ("layer_norm", _layer_norm_kernel, "tf32", {"num_warps": 4}, dict(HAS_BIAS=True, RMS=False, HAS_ADD=False,
                                                                             NUM_PARTS=2, BLOCK_M=2, BLOCK_D=1024), None)
-
+    # resize (uint8): the weights, torch's bicubic and Pillow's lanczos (float64 sine and cosine), and the passes:
+    # rows then columns, columns then rows.
+    for filter, torch_bits in (("bicubic", True), ("lanczos", False)):
+        yield (f"resize_weights-{filter}", _resize_weights_kernel, "u8", {"num_warps": 4, "enable_fp_fusion": False},
+               dict(FILTER=FILTERS.index(filter), SUPPORT=SUPPORT[filter], TORCH=torch_bits, POSITIONS=POSITIONS), None)
+    for axis, first in itertools.product((1, 0), (True, False)):
+        yield (f"resize_pass-{'rows' if axis else 'columns'}-{'first' if first else 'second'}", _resize_pass_kernel,
+               "u8", {"num_warps": 4}, dict(AXIS=axis, FIRST=first, BLOCK_R=BLOCK, BLOCK_C=BLOCK), None)
 
 def main() -> None:
     for name, kernel, dtype, options, constexprs, descriptors in cases():

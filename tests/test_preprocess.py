@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -21,6 +22,7 @@ HF_PROCESSORS = {
                                              crop_size={"height": 32, "width": 32}, **IMAGENET)),
     "deit-shortest-edge-bilinear": ("DeiTImageProcessor", dict(size={"shortest_edge": 36}, resample=2,
                                                                crop_size={"height": 32, "width": 31})),
+    "deit-crop-pads": ("DeiTImageProcessor", dict(size={"shortest_edge": 26}, crop_size={"height": 33, "width": 31})),
     "vit-nearest-no-rescale": ("ViTImageProcessor", dict(size={"height": 24, "width": 24}, resample=0,
                                                          do_rescale=False)),
     "clip": ("CLIPImageProcessor", dict(size={"shortest_edge": 36}, crop_size={"height": 36, "width": 36})),
@@ -30,14 +32,19 @@ HF_PROCESSORS = {
 }
 
 
-@pytest.mark.parametrize("case", HF_PROCESSORS)
-def test_equal_to_transformers_image_processor(case, tmp_path):
+def hf_processor(case, directory):
+    """(transformers' processor, ours) for an HF_PROCESSORS case, saved to and read from `directory`."""
     import transformers
 
     cls, kw = HF_PROCESSORS[case]
-    getattr(transformers, cls)(**kw).save_pretrained(tmp_path)
-    theirs = transformers.AutoImageProcessor.from_pretrained(tmp_path)  # what a user of transformers gets
-    ours = Preprocess.from_hf(json.loads((tmp_path / "preprocessor_config.json").read_text()))
+    getattr(transformers, cls)(**kw).save_pretrained(directory)
+    theirs = transformers.AutoImageProcessor.from_pretrained(directory)  # what a user of transformers gets
+    return theirs, Preprocess.from_hf(json.loads((directory / "preprocessor_config.json").read_text()))
+
+
+@pytest.mark.parametrize("case", HF_PROCESSORS)
+def test_equal_to_transformers_image_processor(case, tmp_path):
+    theirs, ours = hf_processor(case, tmp_path)
     for seed, (h, w) in enumerate(SIZES):
         img = image(seed, h, w)
         want = theirs(img, return_tensors="pt")["pixel_values"][0]
@@ -108,6 +115,42 @@ def test_equal_to_timm_eval_transform(case):
         img = image(seed, h, w)
         got = ours(img)
         assert got.shape == (3, *cfg["input_size"][1:]) and torch.equal(got, theirs(img)), f"{case} {h}x{w}"
+
+
+def coordinates(height: int, width: int) -> torch.Tensor:
+    """int32 [2, height, width]: each pixel's row and column, counted from 1 (0 is a padded pixel's)."""
+    return torch.stack(torch.meshgrid(torch.arange(1, height + 1), torch.arange(1, width + 1), indexing="ij")).int()
+
+
+def window(geometry, size: tuple[int, int]) -> torch.Tensor:
+    """coordinates() of the resized image's pixels that a geometry's window of `size` keeps, 0 outside the image."""
+    rows = torch.arange(size[0]) + geometry.top + 1
+    cols = torch.arange(size[1]) + geometry.left + 1
+    inside = ((rows >= 1) & (rows <= geometry.height))[:, None] & ((cols >= 1) & (cols <= geometry.width))[None, :]
+    return torch.stack([torch.where(inside, rows[:, None], 0), torch.where(inside, cols[None, :], 0)]).int()
+
+
+@pytest.mark.parametrize("case", TIMM_CFGS)
+def test_geometry_is_timms_resize_and_center_crop(case):
+    resize, crop = timm_eval_transform(pretrained_cfg=TIMM_CFGS[case]).transforms[:2]
+    ours = Preprocess.from_timm(TIMM_CFGS[case])
+    for seed, (h, w) in enumerate(SIZES + [(25, 25)]):
+        g = ours.geometry(h, w)
+        assert resize(image(seed, h, w)).size == (g.width, g.height)
+        assert torch.equal(crop(coordinates(g.height, g.width)), window(g, ours.size)), f"{case} {h}x{w}: {g}"
+
+
+@pytest.mark.parametrize("case", HF_PROCESSORS)
+def test_geometry_is_transformers_resize_and_center_crop(case, tmp_path):
+    theirs, ours = hf_processor(case, tmp_path)
+    for seed, (h, w) in enumerate(SIZES):
+        g = ours.geometry(h, w)
+        pixels = torch.from_numpy(np.array(image(seed, h, w))).permute(2, 0, 1)
+        assert theirs.resize(pixels, theirs.size, resample=theirs.resample).shape[-2:] == (g.height, g.width)
+        kept = coordinates(g.height, g.width)
+        if theirs.do_center_crop:
+            kept = theirs.center_crop(kept, theirs.crop_size)
+        assert torch.equal(kept, window(g, ours.size)), f"{case} {h}x{w}: {g}"
 
 
 @pytest.mark.parametrize("size", [32, (24, 40)])

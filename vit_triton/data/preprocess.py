@@ -15,7 +15,8 @@ Two conventions, as the libraries implement them:
 The work is split where it is cheapest to move: `resize_crop` (PIL image -> uint8 [C, H, W]) runs in
 the DataLoader workers, and `normalize` (uint8 [..., C, H, W] -> float32) on the device, so a quarter
 of the bytes cross to the GPU and the float arithmetic, elementwise and correctly rounded, is the same
-there as on the CPU.
+there as on the CPU. Images decoded on the GPU are resized and cropped there, a batch at a time, by
+`resize_crop_batch` (kernels/resize.py), to the same pixels.
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ import math
 import platform
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from typing import NamedTuple
 
 import numpy as np
+import PIL
 import torch
 import torch.nn.functional as F
 from PIL import Image
@@ -70,6 +73,18 @@ OPEN_CLIP_RESIZE_MODES = ("shortest", "squash")
 _HF_COMMON = dict(do_rescale=True, rescale_factor=1 / 255, do_normalize=True,
                   image_mean=IMAGENET_STANDARD_MEAN, image_std=IMAGENET_STANDARD_STD)
 TIMM_CROP_MODES = ("center", "squash")
+# Pillow 13's resize filters the columns first where the height shrinks by more than twice the width (Resample.c's
+# horizontal_first), earlier versions always the rows first, as torch does.
+_PILLOW_MAY_FILTER_COLUMNS_FIRST = int(PIL.__version__.split(".")[0]) >= 13
+
+
+class Geometry(NamedTuple):
+    """An image resized to height x width, then the window of Preprocess.size at (top, left) in it."""
+
+    height: int
+    width: int
+    top: int
+    left: int
 
 
 @dataclass(frozen=True)
@@ -238,23 +253,68 @@ class Preprocess:
 
     # -- applying it --
 
+    def geometry(self, height: int, width: int) -> Geometry:
+        """Where resize_crop puts an image of height x width: the size it is resized to, and the top-left corner, in
+        the resized image, of the `size` window it keeps (negative, or past the far edge: zero padding there)."""
+        if self.resize is not None:
+            height, width = _resized_size(height, width, self.resize, self.keep_ratio)
+        if self.crop is None:
+            return Geometry(height, width, 0, 0)
+        # timm (torchvision.transforms.CenterCrop) rounds the offset, transformers truncates it; a crop larger than
+        # the image pads it, the odd row or column at the bottom or right.
+        to_int = round if self.convention == "timm" else int
+        top, left = (-((crop - side) // 2) if crop > side else int(to_int((side - crop) / 2.0))
+                     for side, crop in zip((height, width), self.crop))
+        return Geometry(height, width, top, left)
+
     def resize_crop(self, image: Image.Image) -> torch.Tensor:
         """Resize and center-crop a decoded image: uint8 [C, H, W], contiguous."""
+        g = self.geometry(image.height, image.width)
         if self.convention == "timm":
-            if self.resize is not None:
-                h, w = _resized_size(image.height, image.width, self.resize, self.keep_ratio)
-                if (h, w) != (image.height, image.width):
-                    image = image.resize((w, h), _PIL_FILTERS[self.resample])
+            if (g.height, g.width) != (image.height, image.width):
+                image = image.resize((g.width, g.height), _PIL_FILTERS[self.resample])
             pixels = _to_uint8_chw(image)
         else:
-            pixels = _to_uint8_chw(image)
-            if self.resize is not None:
-                pixels = _resize_like_torchvision(pixels, _resized_size(*pixels.shape[-2:], self.resize,
-                                                                        self.keep_ratio), self.resample)
-        if self.crop is not None:
-            # timm (torchvision.transforms.CenterCrop) rounds the offset; transformers truncates it.
-            pixels = _center_crop(pixels, self.crop, round if self.convention == "timm" else int)
-        return pixels.clone(memory_format=torch.contiguous_format)
+            pixels = _resize_like_torchvision(_to_uint8_chw(image), (g.height, g.width), self.resample)
+        return _window(pixels, g.top, g.left, self.size)
+
+    @property
+    def gpu_supported(self) -> bool:
+        """Whether resize_crop_batch does this preprocessing: every resample but "nearest"."""
+        return self.resample != "nearest"
+
+    def resize_crop_batch(self, images: list[torch.Tensor]) -> torch.Tensor:
+        """resize_crop of decoded images, the whole batch in a few launches: uint8 [C, H_i, W_i] tensors (C =
+        channels), contiguous, on one device (CUDA, or the CPU under TRITON_INTERPRET=1) -> uint8 [B, C, height,
+        width] there, equal to resize_crop's pixels (transformers' resize as torch's uint8 kernel computes it, which
+        resize_crop runs but for bilinear on x86 CPUs without AVX2)."""
+        from ..kernels.resize import resize_crop   # defining a kernel reads TRITON_INTERPRET: on first use
+
+        if not self.gpu_supported:
+            raise ValueError("resize_crop_batch does every resample but 'nearest' (see gpu_supported), got "
+                             f"{self.resample!r}: use resize_crop")
+        if not images:
+            raise ValueError("images must hold at least one image, got an empty list")
+        rows = []
+        offset = 0
+        for i, image in enumerate(images):
+            if (image.dtype != torch.uint8 or image.dim() != 3 or image.shape[0] != self.channels
+                    or not image.is_contiguous()):
+                raise ValueError(f"images[{i}] must be a contiguous torch.uint8 tensor [{self.channels}, H, W], got "
+                                 f"{image.dtype} of shape {tuple(image.shape)} and strides {image.stride()}")
+            if image.device != images[0].device:
+                raise ValueError(f"images must be on one device: images[0] is on {images[0].device}, images[{i}] "
+                                 f"on {image.device}")
+            height, width = image.shape[1:]
+            g = self.geometry(height, width)
+            shrink = height - g.height
+            columns_first = (self.convention == "timm" and _PILLOW_MAY_FILTER_COLUMNS_FIRST and shrink > 0
+                             and shrink > 2 * (width - g.width))
+            rows.append((offset, height, width, *g, int(columns_first)))
+            offset += image.numel()
+        pixels = images[0].view(-1) if len(images) == 1 else torch.cat([image.view(-1) for image in images])
+        return resize_crop(pixels, torch.tensor(rows, dtype=torch.int64), self.channels, self.size, self.resample,
+                           "pillow" if self.convention == "timm" else "torch")
 
     def normalize(self, pixels: torch.Tensor) -> torch.Tensor:
         """uint8 [..., C, H, W] on any device -> float32, in the checkpoint library's order of operations."""
@@ -328,15 +388,17 @@ def _resize_like_torchvision(pixels: torch.Tensor, size: tuple[int, int], mode: 
     return y.round_().to(torch.uint8)[0]
 
 
-def _center_crop(pixels: torch.Tensor, size: tuple[int, int], to_int) -> torch.Tensor:
-    crop_h, crop_w = size
+def _window(pixels: torch.Tensor, top: int, left: int, size: tuple[int, int]) -> torch.Tensor:
+    """pixels[..., top:top + height, left:left + width] for size (height, width), zero where it leaves the image."""
+    height, width = size
     h, w = pixels.shape[-2:]
-    if crop_h > h or crop_w > w:
-        pad_w, pad_h = max(crop_w - w, 0), max(crop_h - h, 0)
-        pixels = F.pad(pixels, (pad_w // 2, (pad_w + 1) // 2, pad_h // 2, (pad_h + 1) // 2))
-        h, w = pixels.shape[-2:]
-    top, left = int(to_int((h - crop_h) / 2.0)), int(to_int((w - crop_w) / 2.0))
-    return pixels[..., top:top + crop_h, left:left + crop_w]
+    if top >= 0 and left >= 0 and top + height <= h and left + width <= w:
+        return pixels[..., top:top + height, left:left + width].clone(memory_format=torch.contiguous_format)
+    out = pixels.new_zeros((*pixels.shape[:-2], height, width))
+    r0, c0 = max(top, 0), max(left, 0)
+    r1, c1 = max(min(top + height, h), r0), max(min(left + width, w), c0)
+    out[..., r0 - top:r1 - top, c0 - left:c1 - left] = pixels[..., r0:r1, c0:c1]
+    return out
 
 
 @lru_cache(maxsize=16)

@@ -6,8 +6,10 @@ from .common import LaunchOptions, current_launch_options, launch_options
 from .layer_norm import add_layer_norm, layer_norm
 from .linear import linear, linear_partials, split_k
 from .patch_embed import patch_embed
+from .resize import resize_crop
 from .tf32 import round_to_tf32
 from .token_mean import token_mean
 
 __all__ = ["ACTIVATIONS", "LaunchOptions", "add_layer_norm", "current_launch_options", "fused_attention", "launch_options",
-           "layer_norm", "linear", "linear_partials", "patch_embed", "round_to_tf32", "split_k", "token_mean"]
+           "layer_norm", "linear", "linear_partials", "patch_embed", "resize_crop", "round_to_tf32", "split_k",
+           "token_mean"]
