@@ -4,13 +4,14 @@ GPU (nvJPEG and the resize kernel), against the model alone, with where the time
 Generates --num-images JPEG paths of mixed sizes, 400x300 to 1600x1200 (--distinct generated photos, linked
 under several names; or all of --image-size), saves a timm checkpoint with random weights (--architecture,
 ViT-B/16 by default) in timm's layout, and embeds the folder with the package's own pipeline, --decode cpu and
---decode gpu, each beside the CPUs' busy fraction and the GPU's utilisation. Also times the ceilings: the model
+--decode gpu (the first --cpu-images of them), each beside the CPUs' busy fraction and the GPU's utilisation. Also times the ceilings: the model
 alone on ready uint8 batches (eager, and replayed from a CUDA graph as embed replays full batches), Pillow's
 decoding and resizing in one process, and nvJPEG with the resize kernel on bytes already in memory; and
 compares the two decoders: the largest pixel difference over a sample, and the cosine similarity of every
 pair of embeddings.
 
-    python scripts/embed_throughput.py [--num-images 20000] [--distinct 4000] [--architecture vit_base_patch16_224]
+    python scripts/embed_throughput.py [--num-images 20000] [--distinct 4000] [--cpu-images 5000]
+                                       [--architecture vit_base_patch16_224]
                                        [--batch-size 256] [--workers N] [--image-size WxH] [--json out.json]
 
 Needs a CUDA device, timm (for the checkpoint's weights), torchvision, pyarrow.
@@ -123,7 +124,8 @@ def model_ceilings(checkpoint: Path, batch_size: int, iters: int = 20) -> tuple[
     pre = Preprocess.for_model(model)
     compute = embedding_fn(model, pre, normalize=False, tokens=False, output_dtype=torch.float32)
     pixels = torch.randint(0, 256, (batch_size, 3, *pre.size), dtype=torch.uint8, device="cuda")
-    return _images_per_s(compute, pixels, iters), _images_per_s(CUDAGraphRunner(model, forward=compute), pixels, iters)
+    return (_images_per_s(compute, pixels, iters=iters),
+            _images_per_s(CUDAGraphRunner(model, forward=compute), pixels, iters=iters))
 
 
 def _images_per_s(run, *args, iters: int = 20) -> float:
@@ -210,6 +212,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-images", type=int, default=20000)
     parser.add_argument("--distinct", type=int, default=4000, help="generated JPEGs; the rest are links to them")
+    parser.add_argument("--cpu-images", type=int, default=5000,
+                        help="the --decode cpu run embeds the first this many (it is the slow one)")
     parser.add_argument("--architecture", default="vit_base_patch16_224", help="a timm architecture")
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
@@ -249,16 +253,19 @@ def main() -> int:
         "nvjpeg_and_resize_images_per_s": gpu_decode_ceiling(checkpoint, paths, args.batch_size),
         "pixels_gpu_against_cpu": pixel_differences(checkpoint, paths, args.batch_size),
     }
-    for decode in ("cpu", "gpu"):
-        r = run_embed(checkpoint, str(root / "images"), root / f"{decode}.parquet", args.batch_size, args.workers,
-                      decode)
+    first = root / "first.txt"
+    first.write_text("\n".join(paths[:args.cpu_images]) + "\n")
+    for decode, inputs in (("cpu", first), ("gpu", root / "images")):
+        r = run_embed(checkpoint, str(inputs), root / f"{decode}.parquet", args.batch_size, args.workers, decode)
         r["of_model_only"] = r["images_per_s"] / graphed
         results[f"embed_decode_{decode}"] = r
         print(decode, json.dumps(r), flush=True)
-    a, b = (np.stack(pq.read_table(root / f"{d}.parquet").column("embedding").to_numpy(zero_copy_only=False))
-            for d in ("cpu", "gpu"))
+    cpu, gpu = (pq.read_table(root / f"{d}.parquet").slice(0, args.cpu_images) for d in ("cpu", "gpu"))
+    assert cpu.column("path").equals(gpu.column("path"))
+    a, b = (np.stack(t.column("embedding").to_numpy(zero_copy_only=False)) for t in (cpu, gpu))
     cosine = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
-    results["embedding_cosine_gpu_against_cpu"] = {"min": float(cosine.min()), "mean": float(cosine.mean())}
+    results["embedding_cosine_gpu_against_cpu"] = {"images": len(cosine), "min": float(cosine.min()),
+                                                   "mean": float(cosine.mean())}
     for key, value in results.items():
         print(f"{key:40s} {value:.1f}" if isinstance(value, float) else f"{key:40s} {value}")
     if args.json:

@@ -86,17 +86,18 @@ def nvjpeg_available(device: torch.device) -> str | None:
 
 def decode_jpegs(encoded: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | str]:
     """JPEGs (uint8 [n] CPU tensors of their bytes) decoded by nvJPEG on `device`: uint8 RGB [3, H, W] each, or
-    the error nvJPEG gave for that one (the batch is decoded one by one when it fails as a whole)."""
+    the error nvJPEG gave for that one (the batch is decoded one by one when it fails as a whole). On the CPU,
+    torchvision's libjpeg-turbo decodes them instead."""
     from torchvision.io import ImageReadMode, decode_jpeg
 
     try:
-        return decode_jpeg(encoded, mode=ImageReadMode.RGB, device=device)
+        return [image.contiguous() for image in decode_jpeg(encoded, mode=ImageReadMode.RGB, device=device)]
     except RuntimeError:
         pass
     decoded = []
     for data in encoded:
         try:
-            decoded.append(decode_jpeg(data, mode=ImageReadMode.RGB, device=device))
+            decoded.append(decode_jpeg(data, mode=ImageReadMode.RGB, device=device).contiguous())
         except RuntimeError as e:
             decoded.append(str(e))
     return decoded
