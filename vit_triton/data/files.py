@@ -4,6 +4,7 @@ them (in DataLoader workers) through one shared step, turning unreadable images 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import signal
 import sys
@@ -54,7 +55,19 @@ class Batch:
         """uint8 pixels [n, C, H, W] on `device` of the readable images, in order: those decoded on the CPU copied
         there, the JPEGs decoded by nvJPEG and resized and cropped by preprocess.resize_crop_batch. A JPEG nvJPEG
         fails on is decoded on the CPU instead, or, if it is no image there either, becomes unreadable (its
-        reason set here)."""
+        reason set here). On a CUDA device the work runs on a stream of its own, which the current stream then
+        waits for (see _decode_stream)."""
+        if device.type != "cuda":
+            return self._device_pixels(preprocess, device)
+        stream = _decode_stream(device)
+        stream.synchronize()
+        with torch.cuda.stream(stream):
+            pixels = self._device_pixels(preprocess, device)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        pixels.record_stream(torch.cuda.current_stream(device))
+        return pixels
+
+    def _device_pixels(self, preprocess: Preprocess, device: torch.device) -> torch.Tensor:
         cpu = self.pixels.to(device, non_blocking=True)
         if not any(self.gpu):
             return cpu
@@ -86,6 +99,15 @@ class Batch:
             if rows:
                 out[torch.tensor(rows, device=device)] = pixels
         return out
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream a device's decoding runs on. torchvision's nvJPEG decoder writes its output, on a stream of its
+    own, into memory the caller's stream may still be reading (memory freed there and handed out again), which
+    showed as other images' pixels in embed's output. On this stream, emptied before each decode, nothing it frees
+    is still being read: its results are read on the current stream only after record_stream."""
+    return torch.cuda.Stream(device)
 
 
 def image_item(data: bytes, preprocess: Preprocess, gpu_decode: bool = False) -> tuple[torch.Tensor | None, str | None]:

@@ -57,7 +57,7 @@ class EmbedOptions:
     image_size: tuple[int, int] | None = None   # default: the checkpoint's
     overwrite: bool = False
     progress: bool | None = None         # default: when stderr is a terminal
-    decode: str | None = None            # "cpu" or "gpu"; default: gpu where nvJPEG and the preprocessing can
+    decode: str | None = None            # "cpu" (the default) or "gpu"
 
 
 class ChunkBatches(Sampler[list[int]]):
@@ -325,18 +325,20 @@ def _list(spec: str) -> list[str]:
 
 
 def _decoding(option: str | None, device: torch.device, pre: Preprocess) -> str:
-    """--decode, or its default: "gpu" where nvJPEG runs and the resize kernel does the checkpoint's
-    preprocessing, else "cpu". UsageError for --decode gpu where it cannot run, naming why."""
+    """--decode: "cpu" (the default) or "gpu". UsageError for gpu where it cannot run, naming why: not on a CUDA
+    device, without torchvision, for a one-channel model, or a preprocessing filter the resize kernel lacks."""
     if option not in (None, "cpu", "gpu"):
         raise UsageError(f"--decode must be cpu or gpu, got {option!r}")
+    if option != "gpu":
+        return "cpu"
     why = nvjpeg_available(device)
     if why is None and pre.channels != 3:
         why = f"nvJPEG decodes to RGB, and the model takes {pre.channels} channel(s)"
     if why is None and not pre.gpu_supported:
         why = f"the resize kernel has no {pre.resample!r} filter (the checkpoint's preprocessing)"
-    if option == "gpu" and why is not None:
+    if why is not None:
         raise UsageError(f"--decode gpu: {why}; use --decode cpu")
-    return option or ("gpu" if why is None else "cpu")
+    return "gpu"
 
 
 def _run(model, pre: Preprocess, inputs: list[str], chunks: dict[int, range], store: ChunkStore,
