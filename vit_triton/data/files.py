@@ -48,7 +48,7 @@ class Batch:
         return [(name, reason) for name, reason in zip(self.names, self.reasons) if reason is not None]
 
     def pin_memory(self) -> Batch:  # called by DataLoader(pin_memory=True) in its pinning thread
-        self.pixels, self.jpeg = self.pixels.pin_memory(), self.jpeg.pin_memory()
+        self.pixels = self.pixels.pin_memory()  # not the JPEG bytes: nvJPEG stages them through its own buffers
         return self
 
     def device_pixels(self, preprocess: Preprocess, device: torch.device) -> torch.Tensor:
@@ -110,12 +110,13 @@ def _decode_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
 
 
-def image_item(data: bytes, preprocess: Preprocess, gpu_decode: bool = False) -> tuple[torch.Tensor | None, str | None]:
+def image_item(data: bytes, preprocess: Preprocess,
+               gpu_decode: bool = False) -> tuple[torch.Tensor | bytes | None, str | None]:
     """The one step from an image's bytes to what a batch holds, for files and shards alike: (uint8 pixels
     [C, H, W] resized and cropped by `preprocess`, None), or (None, the reason the bytes are no image); with
-    gpu_decode, a JPEG that nvJPEG takes is left encoded: (its bytes, uint8 [n], None)."""
+    gpu_decode, a JPEG that nvJPEG takes is left encoded: (its bytes, None)."""
     if gpu_decode and nvjpeg_decodable(data):
-        return torch.frombuffer(bytearray(data), dtype=torch.uint8), None
+        return data, None
     try:
         image = decode_image(data, "L" if preprocess.channels == 1 else "RGB")
     except UnreadableImage as e:
@@ -126,13 +127,14 @@ def image_item(data: bytes, preprocess: Preprocess, gpu_decode: bool = False) ->
 def make_batch(chunk: int, items: list[tuple[str, torch.Tensor | None, str | None]], last: bool,
                preprocess: Preprocess) -> Batch:
     """The Batch of (name, pixels or JPEG bytes or None, reason or None) items, from image_item."""
-    pixels = [p for _, p, _ in items if p is not None and p.dim() == 3]
-    jpegs = [p for _, p, _ in items if p is not None and p.dim() == 1]
+    pixels = [p for _, p, _ in items if isinstance(p, torch.Tensor)]
+    jpegs = [p for _, p, _ in items if isinstance(p, bytes)]
     c, (h, w) = preprocess.channels, preprocess.size
     stacked = torch.stack(pixels) if pixels else torch.empty(0, c, h, w, dtype=torch.uint8)
     return Batch(chunk, [name for name, _, _ in items], [reason for _, _, reason in items], stacked, last,
-                 gpu=[p is not None and p.dim() == 1 for _, p, _ in items],
-                 jpeg=torch.cat(jpegs) if jpegs else torch.empty(0, dtype=torch.uint8),
+                 gpu=[isinstance(p, bytes) for _, p, _ in items],
+                 jpeg=torch.frombuffer(bytearray(b"".join(jpegs)), dtype=torch.uint8) if jpegs
+                 else torch.empty(0, dtype=torch.uint8),
                  jpeg_ends=list(itertools.accumulate(len(j) for j in jpegs)))
 
 
