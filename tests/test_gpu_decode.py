@@ -8,7 +8,7 @@ import io
 import numpy as np
 import pytest
 import torch
-from PIL import Image
+from PIL import Image, JpegImagePlugin
 
 from tests.checkpoints import image, save_timm, timm_model
 from tests.numerics import DEVICE
@@ -136,10 +136,10 @@ def test_embeddings_decoded_on_the_gpu_match_the_cpu_path(tmp_path, capsys):
     encoded = [torch.frombuffer(bytearray(p.read_bytes()), dtype=torch.uint8) for p in paths]
     difference = (PRE.resize_crop_batch(decode_jpegs(encoded, torch.device("cuda"))).int() - cpu.int()).abs()
     worst = difference.flatten(1).max(1).values
-    over = [(p.name, Image.open(p).size, Image.open(p).mode, worst[i].item()) for i, p in enumerate(paths)
-            if worst[i] > MAX_LEVELS]
+    over = [(p.name, Image.open(p).size, Image.open(p).mode, JpegImagePlugin.get_sampling(Image.open(p)),
+             worst[i].item()) for i, p in enumerate(paths) if worst[i] > MAX_LEVELS]
     print(f"GPU path against CPU path: largest {difference.max().item()} levels, mean {difference.float().mean():.4f}")
-    assert not over, f"images over {MAX_LEVELS} levels (name, size, mode, levels): {over}"
+    assert not over, f"images over {MAX_LEVELS} levels (name, size, mode, subsampling, levels): {over}"
     tables = {}
     for decode in ("cpu", "gpu"):
         assert main(["embed", str(tmp_path / "photos"), "--model", str(tmp_path / "model"), "--output",
