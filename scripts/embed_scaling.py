@@ -146,7 +146,7 @@ def main() -> int:
         inputs = root / f"{model}.txt"
         inputs.write_text("\n".join(all_paths[:count]) + "\n")
         warm = root / f"{model}-warm.txt"
-        # full batches and the short one each chunk of `count` images ends with: every shape the timed runs meet
+        # full batches and the short one the last chunk ends with: every shape the timed runs meet
         warm.write_text("\n".join(all_paths[:3 * 256 + count % 4096 % 256]) + "\n")
         for n in sorted({1, max(gpus)}):  # compile and tune before anything is timed
             run(n, checkpoint, warm, root / f"{model}-warm-{n}.parquet")
