@@ -1,4 +1,5 @@
-"""Reading an image file into a PIL image, or a reason why it cannot be read.
+"""Reading an image file into a PIL image, or a reason why it cannot be read; and, for embed --decode gpu,
+which JPEGs nvJPEG may decode instead and their decoding in batches on a CUDA device.
 
 Decoding is the only place where a file's content can fail us, so it is the only place where errors
 are caught and turned into a reason (UnreadableImage): a run over a million files skips the bad ones
