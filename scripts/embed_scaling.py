@@ -102,7 +102,8 @@ def kill_and_resume(n: int, checkpoint: Path, inputs: Path, output: Path) -> dic
     done_at_kill = len(list(work.glob("chunk-*.json")))
     os.kill(victim, signal.SIGKILL)
     proc.communicate(timeout=300)
-    again = subprocess.run(_command(n, checkpoint, inputs, output, None, overwrite=False), env=_env(), capture_output=True, text=True)
+    again = subprocess.run(_command(n, checkpoint, inputs, output, None, overwrite=False), env=_env(),
+                           capture_output=True, text=True)
     if again.returncode != 0:
         raise RuntimeError(f"the run after the kill failed:\n{again.stderr[-4000:]}")
     resumed = re.search(r"resuming .*?: (\d+) of (\d+) chunks already done", again.stderr)

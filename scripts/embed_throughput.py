@@ -3,16 +3,16 @@ GPU (nvJPEG and the resize kernel), against the model alone, with where the time
 
 Generates --num-images JPEG paths of mixed sizes, 400x300 to 1600x1200 (--distinct generated photos, linked
 under several names; or all of --image-size), saves a timm checkpoint with random weights (--architecture,
-ViT-B/16 by default) in timm's layout, and embeds the folder with the package's own pipeline, --decode cpu and
---decode gpu (the first --cpu-images of them), each beside the CPUs' busy fraction and the GPU's utilisation. Also times the ceilings: the model
-alone on ready uint8 batches (eager, and replayed from a CUDA graph as embed replays full batches), Pillow's
-decoding and resizing in one process, and nvJPEG with the resize kernel on bytes already in memory; and
-compares the two decoders: the largest pixel difference over a sample, and the cosine similarity of every
-pair of embeddings.
+ViT-B/16 by default) in timm's layout, and embeds the folder with the package's own pipeline: --decode gpu, and
+--decode cpu on the first --cpu-images of them, each beside the CPUs' busy fraction and the GPU's utilisation.
+Also times the ceilings: the model alone on ready uint8 batches (eager, and replayed from a CUDA graph as embed
+replays full batches), Pillow's decoding and resizing in one process, and nvJPEG with the resize kernel on bytes
+already in memory; and compares the two decoders: the largest pixel difference over a batch, and the cosine
+similarity of the embeddings both runs wrote.
 
     python scripts/embed_throughput.py [--num-images 20000] [--distinct 4000] [--cpu-images 5000]
-                                       [--architecture vit_base_patch16_224]
-                                       [--batch-size 256] [--workers N] [--image-size WxH] [--json out.json]
+                                       [--architecture vit_base_patch16_224] [--batch-size 256] [--workers N]
+                                       [--image-size WxH] [--json out.json]
 
 Needs a CUDA device, timm (for the checkpoint's weights), torchvision, pyarrow.
 """
@@ -50,7 +50,8 @@ def _make_jpeg(args: tuple[int, str, tuple[int, int] | None]) -> None:
     Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).save(path, quality=90)
 
 
-def make_images(folder: Path, count: int, size: tuple[int, int] | None = None, distinct: int | None = None) -> list[str]:
+def make_images(folder: Path, count: int, size: tuple[int, int] | None = None,
+                distinct: int | None = None) -> list[str]:
     """`count` JPEG paths under folder, all (width, height) `size`, or of SIZES in turn: `distinct` generated ones
     (default: all), then hard links to them in turn (decoding a linked file costs what decoding its original does)."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -231,8 +232,8 @@ def main() -> int:
     t0 = time.perf_counter()
     paths = make_images(root / "images", args.num_images, args.image_size, args.distinct)
     checkpoint = make_checkpoint(root / args.architecture, args.architecture)
-    print(f"{args.num_images} JPEG paths ({args.distinct} distinct) and a checkpoint in {time.perf_counter() - t0:.1f} s "
-          f"under {root}", flush=True)
+    print(f"{args.num_images} JPEG paths ({args.distinct} distinct) and a checkpoint in "
+          f"{time.perf_counter() - t0:.1f} s under {root}", flush=True)
 
     # Compile and autotune the kernels (batch shapes of the runs below) before anything is timed.
     warm = root / "warm.txt"

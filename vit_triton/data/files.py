@@ -94,10 +94,12 @@ class Batch:
                 late.append(pixels)
         out = torch.empty((len(cpu_rows) + len(gpu_rows) + len(late_rows), preprocess.channels, *preprocess.size),
                           dtype=torch.uint8, device=device)
-        for rows, pixels in ((cpu_rows, cpu), (gpu_rows, preprocess.resize_crop_batch(gpu_images) if gpu_images
-                                                else None), (late_rows, torch.stack(late).to(device) if late else None)):
-            if rows:
-                out[torch.tensor(rows, device=device)] = pixels
+        if cpu_rows:
+            out[torch.tensor(cpu_rows, device=device)] = cpu
+        if gpu_rows:
+            out[torch.tensor(gpu_rows, device=device)] = preprocess.resize_crop_batch(gpu_images)
+        if late_rows:
+            out[torch.tensor(late_rows, device=device)] = torch.stack(late).to(device)
         return out
 
 
