@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch  # noqa: E402
 
-from embed_throughput import Sampler, make_checkpoint, make_images  # noqa: E402
+from embed_throughput import Sampler, make_checkpoint, make_images, read_all  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = {"vit-b": "vit_base_patch16_224", "dinov2-l": "vit_large_patch14_dinov2"}
@@ -138,7 +138,8 @@ def main() -> int:
                "distinct_images": args.distinct, "models": {}}
     t0 = time.perf_counter()
     folder = root / "images"
-    make_images(folder, max(counts), distinct=args.distinct)
+    paths = make_images(folder, max(counts), distinct=args.distinct)
+    results["first_read_mb_per_s"] = read_all(paths[:args.distinct])
     print(f"{max(counts)} JPEG paths ({args.distinct} distinct) in {time.perf_counter() - t0:.1f} s", flush=True)
     all_paths = sorted(str(p) for p in folder.rglob("*.jpg"))
     ok = True
