@@ -137,19 +137,17 @@ def main() -> int:
                "torch": torch.__version__, "triton": __import__("triton").__version__, "cpus": os.cpu_count(),
                "distinct_images": args.distinct, "models": {}}
     t0 = time.perf_counter()
-    folder = root / "images"
-    paths = make_images(folder, max(counts), distinct=args.distinct)
+    paths = make_images(root / "images", max(counts), distinct=args.distinct)
     results["first_read_mb_per_s"] = read_all(paths[:args.distinct])
     print(f"{max(counts)} JPEG paths ({args.distinct} distinct) in {time.perf_counter() - t0:.1f} s", flush=True)
-    all_paths = sorted(str(p) for p in folder.rglob("*.jpg"))
     ok = True
     for model, count in zip(models, counts):
         checkpoint = make_checkpoint(root / MODELS[model], MODELS[model])
         inputs = root / f"{model}.txt"
-        inputs.write_text("\n".join(all_paths[:count]) + "\n")
+        inputs.write_text("\n".join(paths[:count]) + "\n")
         warm = root / f"{model}-warm.txt"
         # full batches and the short one the last chunk ends with: every shape the timed runs meet
-        warm.write_text("\n".join(all_paths[:3 * 256 + count % 4096 % 256]) + "\n")
+        warm.write_text("\n".join(paths[:3 * 256 + count % 4096 % 256]) + "\n")
         for n in sorted({1, max(gpus)}):  # compile and tune before anything is timed
             run(n, checkpoint, warm, root / f"{model}-warm-{n}.parquet")
         runs = {f"{model}-1": run(1, checkpoint, inputs, root / f"{model}-1.parquet")}
