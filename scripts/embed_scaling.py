@@ -1,7 +1,7 @@
 """Scaling of `vit-triton embed` over the GPUs of one host, under torchrun, and a kill -9 of one rank mid-run.
 
 For each model (ViT-B/16 at 224 px, and DINOv2-L/14 at its 518 px: a decoding-bound and a GPU-bound case),
-embeds one folder of generated JPEGs (mixed sizes, 500x333 to 800x600) with `torchrun --nproc-per-node N -m
+embeds one folder of generated JPEGs (mixed sizes, 400x300 to 1600x1200) with `torchrun --nproc-per-node N -m
 vit_triton embed` for each N in --gpus, and reports images/s in all and per GPU against one GPU. One GPU runs
 twice: with embed's default decoding workers (all the CPUs less one) and with the share of the CPUs one rank
 gets at the largest N, so that a shortfall can be put on the decoding or on the GPUs. Every run's output must
