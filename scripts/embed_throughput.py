@@ -209,6 +209,20 @@ def run_embed(checkpoint: Path, input_spec: str, output: Path, batch_size: int, 
             "gpu_util_percent": load.gpu_util}
 
 
+def trace_gpu_decode(checkpoint: Path, paths: list[str], root: Path, batch_size: int, workers: int,
+                     trace: str) -> None:
+    """A --decode gpu run over `paths` under torch.profiler: its Chrome trace, and the operations that took the
+    most CPU time (a host-bound pipeline shows there)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    listed = root / "traced.txt"
+    listed.write_text("\n".join(paths) + "\n")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run_embed(checkpoint, str(listed), root / "traced.parquet", batch_size, workers, "gpu")
+    prof.export_chrome_trace(trace)
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25), flush=True)
+
+
 def _size(text: str) -> tuple[int, int]:
     try:
         w, h = (int(v) for v in text.lower().split("x"))
@@ -231,6 +245,9 @@ def main() -> int:
                         help="every JPEG this size (default: sizes from 400x300 to 1600x1200)")
     parser.add_argument("--dir", default=None, help="working folder (default: a temporary one)")
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--trace", default=None, metavar="FILE.json",
+                        help="also trace a --decode gpu run of 8 batches with torch.profiler (CPU and CUDA) into this "
+                             "Chrome trace, and print its busiest operations: where the pipeline waits")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("embed_throughput.py needs a CUDA device")
@@ -276,6 +293,8 @@ def main() -> int:
     cosine = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
     results["embedding_cosine_gpu_against_cpu"] = {"images": len(cosine), "min": float(cosine.min()),
                                                    "mean": float(cosine.mean())}
+    if args.trace:
+        trace_gpu_decode(checkpoint, paths[:8 * args.batch_size], root, args.batch_size, args.workers, args.trace)
     for key, value in results.items():
         print(f"{key:40s} {value:.1f}" if isinstance(value, float) else f"{key:40s} {value}")
     if args.json:
