@@ -9,7 +9,7 @@ equal the one-GPU output row for row. Then a run at the largest N is killed (kil
 some chunks are written) and the same command run again: its output must be complete and equal too.
 
     python scripts/embed_scaling.py [--gpus 1,2] [--models vit-b,dinov2-l] [--num-images 150000,24000]
-                                    [--distinct 20000] [--json out.json] [--dir DIR]
+                                    [--distinct 20000] [--decode cpu|gpu] [--json out.json] [--dir DIR]
 
 The folder holds --distinct generated JPEGs, each linked under several names up to --num-images (generating
 150,000 distinct photos would take longer than embedding them; decoding a linked file costs the same). Needs
@@ -39,11 +39,11 @@ MODELS = {"vit-b": "vit_base_patch16_224", "dinov2-l": "vit_large_patch14_dinov2
 _DONE = re.compile(r"this run: (\d+) images in ([\d.]+) s")
 
 
-def _command(n: int, checkpoint: Path, inputs: Path, output: Path, workers: int | None,
+def _command(n: int, checkpoint: Path, inputs: Path, output: Path, workers: int | None, decode: str,
              overwrite: bool = True) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
            "-m", "vit_triton", "embed", str(inputs), "--model", str(checkpoint), "--output", str(output),
-           "--no-progress"] + (["--overwrite"] if overwrite else [])
+           "--no-progress", "--decode", decode] + (["--overwrite"] if overwrite else [])
     return cmd + ([] if workers is None else ["--num-workers", str(workers)])
 
 
@@ -51,12 +51,12 @@ def _env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
 
 
-def run(n: int, checkpoint: Path, inputs: Path, output: Path, workers: int | None = None) -> dict:
+def run(n: int, checkpoint: Path, inputs: Path, output: Path, decode: str, workers: int | None = None) -> dict:
     """One embed run; images/s from its own report (the time after the model is loaded)."""
     with Sampler(n) as s:
         start = time.perf_counter()
-        result = subprocess.run(_command(n, checkpoint, inputs, output, workers), env=_env(), capture_output=True,
-                                text=True)
+        result = subprocess.run(_command(n, checkpoint, inputs, output, workers, decode), env=_env(),
+                                capture_output=True, text=True)
         wall = time.perf_counter() - start
     if result.returncode != 0:
         raise RuntimeError(f"embed with {n} GPU(s) failed:\n{result.stderr[-4000:]}")
@@ -88,10 +88,10 @@ def _local_rank(pid: int) -> int | None:
     return ranks[0] if ranks else None
 
 
-def kill_and_resume(n: int, checkpoint: Path, inputs: Path, output: Path) -> dict:
+def kill_and_resume(n: int, checkpoint: Path, inputs: Path, output: Path, decode: str) -> dict:
     """kill -9 of rank n-1 once two chunks are written, then the same command again."""
     work = output.with_name(output.name + ".partial")
-    proc = subprocess.Popen(_command(n, checkpoint, inputs, output, None), env=_env(), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(_command(n, checkpoint, inputs, output, None, decode), env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     while len(list(work.glob("chunk-*.json"))) < 2:
         if proc.poll() is not None:
@@ -102,7 +102,7 @@ def kill_and_resume(n: int, checkpoint: Path, inputs: Path, output: Path) -> dic
     done_at_kill = len(list(work.glob("chunk-*.json")))
     os.kill(victim, signal.SIGKILL)
     proc.communicate(timeout=300)
-    again = subprocess.run(_command(n, checkpoint, inputs, output, None, overwrite=False), env=_env(),
+    again = subprocess.run(_command(n, checkpoint, inputs, output, None, decode, overwrite=False), env=_env(),
                            capture_output=True, text=True)
     if again.returncode != 0:
         raise RuntimeError(f"the run after the kill failed:\n{again.stderr[-4000:]}")
@@ -117,6 +117,7 @@ def main() -> int:
     parser.add_argument("--models", default="vit-b,dinov2-l", help="comma-separated, from " + ", ".join(MODELS))
     parser.add_argument("--num-images", default="150000,24000", help="images per model, in the order of --models")
     parser.add_argument("--distinct", type=int, default=20000, help="generated JPEGs; the rest are links to them")
+    parser.add_argument("--decode", choices=["cpu", "gpu"], default="cpu", help="embed's --decode (default cpu)")
     parser.add_argument("--dir", default=None, help="working folder (default: a temporary one)")
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
@@ -135,7 +136,7 @@ def main() -> int:
     root = Path(args.dir or tempfile.mkdtemp(prefix="embed_scaling_"))
     results = {"device": torch.cuda.get_device_name(), "device_count": torch.cuda.device_count(),
                "torch": torch.__version__, "triton": __import__("triton").__version__, "cpus": os.cpu_count(),
-               "distinct_images": args.distinct, "models": {}}
+               "distinct_images": args.distinct, "decode": args.decode, "models": {}}
     t0 = time.perf_counter()
     paths = make_images(root / "images", max(counts), distinct=args.distinct)
     results["first_read_mb_per_s"] = read_all(paths[:args.distinct])
@@ -149,12 +150,13 @@ def main() -> int:
         # full batches and the short one the last chunk ends with: every shape the timed runs meet
         warm.write_text("\n".join(paths[:3 * 256 + count % 4096 % 256]) + "\n")
         for n in sorted({1, max(gpus)}):  # compile and tune before anything is timed
-            run(n, checkpoint, warm, root / f"{model}-warm-{n}.parquet")
-        runs = {f"{model}-1": run(1, checkpoint, inputs, root / f"{model}-1.parquet")}
+            run(n, checkpoint, warm, root / f"{model}-warm-{n}.parquet", args.decode)
+        runs = {f"{model}-1": run(1, checkpoint, inputs, root / f"{model}-1.parquet", args.decode)}
         if max(gpus) > 1:
             share = (os.cpu_count() or 1) // max(gpus) - 1
-            runs[f"{model}-1-share"] = run(1, checkpoint, inputs, root / f"{model}-1-share.parquet", share)
-        runs.update({f"{model}-{n}": run(n, checkpoint, inputs, root / f"{model}-{n}.parquet") for n in gpus if n > 1})
+            runs[f"{model}-1-share"] = run(1, checkpoint, inputs, root / f"{model}-1-share.parquet", args.decode, share)
+        runs.update({f"{model}-{n}": run(n, checkpoint, inputs, root / f"{model}-{n}.parquet", args.decode)
+                     for n in gpus if n > 1})
         reference = pq.read_table(root / f"{model}-1.parquet")
         one, same = runs[f"{model}-1"], runs.get(f"{model}-1-share", runs[f"{model}-1"])
         for name, r in runs.items():
@@ -165,7 +167,8 @@ def main() -> int:
             print(name, json.dumps(r), flush=True)
         entry = {"architecture": MODELS[model], "images": count, "runs": runs}
         if model == models[0] and max(gpus) > 1:
-            killed = kill_and_resume(max(gpus), checkpoint, inputs, root / f"{model}-killed.parquet")
+            killed = kill_and_resume(max(gpus), checkpoint, inputs, root / f"{model}-killed.parquet",
+                                     args.decode)
             table = pq.read_table(root / f"{model}-killed.parquet")
             killed["output_equals_one_gpu"] = table.equals(reference)
             killed["rows"], killed["distinct_paths"] = table.num_rows, len(set(table.column("path").to_pylist()))
