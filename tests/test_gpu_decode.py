@@ -97,19 +97,22 @@ def test_a_batch_decoded_on_the_cpu_alone_is_copied():
 
 
 def test_where_decoding_runs():
-    cpu = torch.device("cpu")
-    assert decoding(None, cpu, PRE) == decoding("cpu", cpu, PRE) == "cpu"
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert decoding(None, cpu, PRE) == decoding("cpu", cpu, PRE) == decoding(None, cuda, PRE) == "cpu"
     with pytest.raises(UsageError, match=r"--decode gpu: nvJPEG decodes on a CUDA device, and this run is on cpu; "
                                          r"use --decode cpu"):
         decoding("gpu", cpu, PRE)
-    cuda = torch.device("cuda", 0)
-    assert decoding(None, cuda, PRE) == "cpu" and decoding("gpu", cuda, PRE) == "gpu"
     gray = Preprocess.from_timm(dict(input_size=(1, 32, 32), mean=(0.5,), std=(0.5,)))
     nearest = Preprocess.from_timm(dict(input_size=(3, 32, 32), interpolation="nearest"))
     with pytest.raises(UsageError, match=r"--decode gpu: nvJPEG decodes to RGB, and the model takes 1 channel\(s\)"):
         decoding("gpu", cuda, gray)
     with pytest.raises(UsageError, match=r"--decode gpu: the resize kernel has no 'nearest' filter"):
         decoding("gpu", cuda, nearest)
+    if torch.cuda.is_available():   # a small JPEG is decoded there first
+        assert decoding("gpu", cuda, PRE) == "gpu"
+    else:
+        with pytest.raises(UsageError, match=r"--decode gpu: torchvision cannot decode JPEGs on cuda:0: "):
+            decoding("gpu", cuda, PRE)
 
 
 def _photos(folder, count: int) -> None:

@@ -75,13 +75,19 @@ def nvjpeg_decodable(data: bytes) -> bool:
 
 
 def nvjpeg_available(device: torch.device) -> str | None:
-    """None where torchvision decodes JPEGs with nvJPEG on `device`, else the reason it cannot."""
+    """None where torchvision decodes JPEGs with nvJPEG on `device` (a small one is tried there), else why not."""
     if device.type != "cuda":
         return f"nvJPEG decodes on a CUDA device, and this run is on {device}"
     try:
-        from torchvision.io import decode_jpeg  # noqa: F401
+        from torchvision.io import decode_jpeg
     except ImportError:
         return "torchvision is not installed (pip install 'vit-triton[embed]')"
+    probe = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(probe, "JPEG")
+    try:
+        decode_jpeg([torch.frombuffer(bytearray(probe.getvalue()), dtype=torch.uint8)], device=device)
+    except RuntimeError as e:  # a torchvision built without nvJPEG, or a device it cannot use
+        return f"torchvision cannot decode JPEGs on {device}: {e}"
     return None
 
 

@@ -331,11 +331,12 @@ def _decoding(option: str | None, device: torch.device, pre: Preprocess) -> str:
         raise UsageError(f"--decode must be cpu or gpu, got {option!r}")
     if option != "gpu":
         return "cpu"
-    why = nvjpeg_available(device)
-    if why is None and pre.channels != 3:
+    if pre.channels != 3:
         why = f"nvJPEG decodes to RGB, and the model takes {pre.channels} channel(s)"
-    if why is None and not pre.gpu_supported:
+    elif not pre.gpu_supported:
         why = f"the resize kernel has no {pre.resample!r} filter (the checkpoint's preprocessing)"
+    else:
+        why = nvjpeg_available(device)
     if why is not None:
         raise UsageError(f"--decode gpu: {why}; use --decode cpu")
     return "gpu"
