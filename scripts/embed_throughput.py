@@ -174,8 +174,12 @@ def gpu_decode_ceiling(checkpoint: Path, paths: list[str], batch_size: int) -> f
     from vit_triton.data.decode import decode_jpegs
 
     pre = _preprocess(checkpoint)
-    encoded = [torch.frombuffer(bytearray(Path(p).read_bytes()), dtype=torch.uint8) for p in paths[:batch_size]]
+    encoded = _encoded(paths[:batch_size])
     return _images_per_s(lambda: pre.resize_crop_batch(decode_jpegs(encoded, torch.device("cuda"))), iters=10)
+
+
+def _encoded(paths: list[str]) -> list[torch.Tensor]:
+    return [torch.frombuffer(bytearray(Path(p).read_bytes()), dtype=torch.uint8) for p in paths]
 
 
 def pixel_differences(checkpoint: Path, paths: list[str], batch_size: int) -> dict:
@@ -187,8 +191,7 @@ def pixel_differences(checkpoint: Path, paths: list[str], batch_size: int) -> di
     pre = _preprocess(checkpoint)
     files = ImageFiles(paths[:batch_size], pre)
     cpu = torch.stack([files[i][1] for i in range(len(files))]).cuda()
-    encoded = [torch.frombuffer(bytearray(Path(p).read_bytes()), dtype=torch.uint8) for p in paths[:batch_size]]
-    gpu = pre.resize_crop_batch(decode_jpegs(encoded, torch.device("cuda")))
+    gpu = pre.resize_crop_batch(decode_jpegs(_encoded(paths[:batch_size]), torch.device("cuda")))
     diff = (gpu.int() - cpu.int()).abs()
     return {"images": len(files), "max_abs_levels": int(diff.max()), "mean_abs_levels": float(diff.float().mean()),
             "share_differing": float((diff > 0).float().mean()), "share_over_1": float((diff > 1).float().mean())}

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import os
 import signal
 import sys
 from collections.abc import Iterator
-import itertools
 from dataclasses import dataclass, field
 
 import torch
