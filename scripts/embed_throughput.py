@@ -4,7 +4,9 @@ GPU (nvJPEG and the resize kernel), against the model alone, with where the time
 Generates --num-images JPEG paths of mixed sizes, 400x300 to 1600x1200 (--distinct generated photos, linked
 under several names; or all of --image-size), saves a timm checkpoint with random weights (--architecture,
 ViT-B/16 by default) in timm's layout, and embeds the folder with the package's own pipeline: --decode gpu, and
---decode cpu on the first --cpu-images of them, each beside the CPUs' busy fraction and the GPU's utilisation.
+--decode cpu on the first --cpu-images of them, each beside the CPUs' busy fraction and the GPU's utilisation;
+and --decode gpu on the first quarter, for the steady rate past a run's start (the time the other three quarters
+added).
 Also times the ceilings: the model alone on ready uint8 batches (eager, and replayed from a CUDA graph as embed
 replays full batches), Pillow's decoding and resizing in one process, and nvJPEG with the resize kernel on bytes
 already in memory; and compares the two decoders: the largest pixel difference over a batch, and the cosine
@@ -169,13 +171,20 @@ def decode_ceiling(checkpoint: Path, paths: list[str], count: int = 200) -> floa
     return len(dataset) / seconds
 
 
-def gpu_decode_ceiling(checkpoint: Path, paths: list[str], batch_size: int) -> float:
-    """Images/s of nvJPEG and the resize kernel on a batch of JPEG bytes already in (pinned) memory."""
+def gpu_decode_ceilings(checkpoint: Path, paths: list[str], batch_size: int) -> dict:
+    """Images/s of nvJPEG alone, of the resize kernel alone (on images nvJPEG decoded), and of the two in turn, on
+    a batch of JPEG bytes already in memory; and the batch's mean megapixels."""
     from vit_triton.data.decode import decode_jpegs
 
     pre = _preprocess(checkpoint)
     encoded = _encoded(paths[:batch_size])
-    return _images_per_s(lambda: pre.resize_crop_batch(decode_jpegs(encoded, torch.device("cuda"))), iters=10)
+    cuda = torch.device("cuda")
+    decoded = decode_jpegs(encoded, cuda)
+    return {"megapixels_mean": sum(d.shape[1] * d.shape[2] for d in decoded) / len(decoded) / 1e6,
+            "nvjpeg_images_per_s": _images_per_s(lambda: decode_jpegs(encoded, cuda), iters=10),
+            "resize_images_per_s": _images_per_s(lambda: pre.resize_crop_batch(decoded), iters=10),
+            "nvjpeg_and_resize_images_per_s": _images_per_s(lambda: pre.resize_crop_batch(decode_jpegs(encoded, cuda)),
+                                                            iters=10)}
 
 
 def _encoded(paths: list[str]) -> list[torch.Tensor]:
@@ -226,6 +235,13 @@ def trace_gpu_decode(checkpoint: Path, paths: list[str], root: Path, batch_size:
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25), flush=True)
 
 
+def short_batches(counts: tuple[int, ...], batch_size: int, chunk_size: int = 4096) -> set[int]:
+    """The sizes of the batches shorter than batch_size that embed's runs over `counts` images make (a batch ends
+    at its chunk's end; embed's chunks are chunk_size images), and 0."""
+    return {0} | {n % batch_size for count in counts
+                  for n in ([chunk_size] if count >= chunk_size else []) + [count % chunk_size]}
+
+
 def _size(text: str) -> tuple[int, int]:
     try:
         w, h = (int(v) for v in text.lower().split("x"))
@@ -264,11 +280,14 @@ def main() -> int:
     print(f"{args.num_images} JPEG paths ({args.distinct} distinct) and a checkpoint in "
           f"{time.perf_counter() - t0:.1f} s under {root}", flush=True)
 
-    # Compile and autotune the kernels (batch shapes of the runs below) before anything is timed.
+    # Compile and autotune the kernels for every batch shape the runs below meet before anything is timed: a new
+    # shape met in a timed run would autotune there, with the workers waiting.
     warm = root / "warm.txt"
-    warm.write_text("\n".join(paths[: 2 * args.batch_size + args.num_images % args.batch_size]) + "\n")
-    for decode in ("cpu", "gpu"):
-        run_embed(checkpoint, str(warm), root / "warm.parquet", args.batch_size, args.workers, decode)
+    quarter = args.num_images // 4
+    for short in short_batches((args.num_images, args.cpu_images, quarter), args.batch_size):
+        warm.write_text("\n".join(paths[:args.batch_size + short]) + "\n")
+        for decode in ("cpu", "gpu"):
+            run_embed(checkpoint, str(warm), root / "warm.parquet", args.batch_size, args.workers, decode)
 
     eager, graphed = model_ceilings(checkpoint, args.batch_size)
     results = {
@@ -280,9 +299,10 @@ def main() -> int:
         "image_size": "x".join(map(str, args.image_size)) if args.image_size else "mixed, 400x300 to 1600x1200",
         "model_only_eager_images_per_s": eager, "model_only_graphed_images_per_s": graphed,
         "pillow_one_process_images_per_s": decode_ceiling(checkpoint, paths),
-        "nvjpeg_and_resize_images_per_s": gpu_decode_ceiling(checkpoint, paths, args.batch_size),
+        **gpu_decode_ceilings(checkpoint, paths, args.batch_size),
         "pixels_gpu_against_cpu": pixel_differences(checkpoint, paths, args.batch_size),
     }
+    print(json.dumps(results), flush=True)
     first = root / "first.txt"
     first.write_text("\n".join(paths[:args.cpu_images]) + "\n")
     for decode, inputs in (("cpu", first), ("gpu", root / "images")):
@@ -290,6 +310,15 @@ def main() -> int:
         r["of_model_only"] = r["images_per_s"] / graphed
         results[f"embed_decode_{decode}"] = r
         print(decode, json.dumps(r), flush=True)
+    # Past its start (workers starting, the first batches read): the rate a run of many more images approaches,
+    # from the time the last three quarters of this run's images added to a run of the first quarter.
+    listed = root / "quarter.txt"
+    listed.write_text("\n".join(sorted(paths)[:quarter]) + "\n")
+    r = run_embed(checkpoint, str(listed), root / "quarter.parquet", args.batch_size, args.workers, "gpu")
+    whole = results["embed_decode_gpu"]
+    whole["steady_images_per_s"] = (args.num_images - quarter) / (whole["seconds"] - r["seconds"])
+    whole["steady_of_model_only"] = whole["steady_images_per_s"] / graphed
+    print("steady", json.dumps(whole), flush=True)
     cpu, gpu = (pq.read_table(root / f"{d}.parquet").slice(0, args.cpu_images) for d in ("cpu", "gpu"))
     assert cpu.column("path").equals(gpu.column("path"))
     a, b = (np.stack(t.column("embedding").to_numpy(zero_copy_only=False)) for t in (cpu, gpu))

@@ -570,3 +570,14 @@ def test_embed_images_gives_what_embed_writes(single):
     assert vit_triton.embed_images(model, []).shape == (0, model.config.embed_dim)
     with pytest.raises(UnreadableImage, match=r"^imgs/bad/empty.jpg: empty file"):
         vit_triton.embed_images(model, [paths[0], "imgs/bad/empty.jpg"])
+
+
+@pytest.mark.parametrize("counts", [(20000, 5000, 5000), (65536, 4096, 16384), (300, 17, 75), (4096, 8191, 1)])
+def test_the_throughput_scripts_warm_up_covers_every_batch_shape_embed_makes(counts):
+    from tests.scripts import load_script
+    from vit_triton.pipelines.embed import ChunkBatches
+
+    shapes = {len(batch) for count in counts
+              for batch in ChunkBatches([range(s, min(s + 4096, count)) for s in range(0, count, 4096)], 256)}
+    warmed = load_script("embed_throughput.py").short_batches(counts, 256)
+    assert {s or 256 for s in warmed} == shapes | {256}   # 0 stands for a full batch

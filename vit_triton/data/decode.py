@@ -9,6 +9,7 @@ applied (as transformers' load_image does), so that a phone's photo is seen upri
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 
@@ -60,15 +61,16 @@ _EXIF_ORIENTATION = 0x0112
 
 
 def nvjpeg_decodable(data: bytes) -> bool:
-    """Whether nvJPEG should decode `data`: a baseline JPEG in YCbCr or grayscale with no EXIF turn, whole (it ends
-    in the end-of-image marker), read from its header alone. Everything else (PNG, WebP, progressive or CMYK JPEGs,
-    a turned photo, a broken header, a truncated file, which nvJPEG would decode into grey without a word) is
-    decode_image's, which also names what is wrong with a bad file."""
+    """Whether nvJPEG should decode `data`: a baseline colour (YCbCr) JPEG with no EXIF turn, whole (it ends in the
+    end-of-image marker), read from its header alone. Everything else (PNG, WebP, progressive, CMYK or grayscale
+    JPEGs, whose RGB from nvJPEG was up to 237 levels off on an H100, a turned photo, a broken header, a truncated
+    file, which nvJPEG would decode into grey without a word) is decode_image's, which also names what is wrong
+    with a bad file."""
     if data[:3] != b"\xff\xd8\xff" or data.rstrip(b"\0")[-2:] != b"\xff\xd9":
         return False
     try:
         with Image.open(io.BytesIO(data)) as image:
-            return (image.format == "JPEG" and image.mode in ("RGB", "L") and "progression" not in image.info
+            return (image.format == "JPEG" and image.mode == "RGB" and "progression" not in image.info
                     and image.getexif().get(_EXIF_ORIENTATION, 1) == 1)
     except Exception:  # noqa: BLE001 -- any header Pillow cannot read is decode_image's to report
         return False
@@ -92,9 +94,30 @@ def nvjpeg_available(device: torch.device) -> str | None:
 
 
 def decode_jpegs(encoded: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | str]:
-    """JPEGs (uint8 [n] CPU tensors of their bytes) decoded by nvJPEG on `device`: uint8 RGB [3, H, W] each, or
-    the error nvJPEG gave for that one (the batch is decoded one by one when it fails as a whole). On the CPU,
-    torchvision's libjpeg-turbo decodes them instead."""
+    """JPEGs (uint8 [n] CPU tensors of their bytes) decoded by nvJPEG on `device`: uint8 RGB [3, H, W] each, ready
+    for the current stream, or the error nvJPEG gave for that one (the batch is decoded one by one when it fails
+    as a whole). On the CPU, torchvision's libjpeg-turbo decodes them instead."""
+    if device.type != "cuda":
+        return _decode_jpegs(encoded, device)
+    # torchvision's nvJPEG decoder allocates its outputs on the current stream but writes them on a stream of its
+    # own that waits for nothing there: memory freed on the current stream with reads still queued would be
+    # overwritten. So they are allocated on a stream where nothing runs, and the current stream reads them.
+    current = torch.cuda.current_stream(device)
+    with torch.cuda.stream(_output_stream(device)):
+        decoded = _decode_jpegs(encoded, device)
+        current.wait_stream(torch.cuda.current_stream(device))   # which torchvision made wait for its decoding
+    for image in decoded:
+        if isinstance(image, torch.Tensor):
+            image.record_stream(current)
+    return decoded
+
+
+@functools.lru_cache(maxsize=None)
+def _output_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
+def _decode_jpegs(encoded: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | str]:
     from torchvision.io import ImageReadMode, decode_jpeg
 
     try:

@@ -3,13 +3,16 @@ them (in DataLoader workers) through one shared step, turning unreadable images 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import itertools
 import os
+import queue
 import signal
 import sys
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -51,28 +54,37 @@ class Batch:
         self.pixels = self.pixels.pin_memory()  # not the JPEG bytes: nvJPEG stages them through its own buffers
         return self
 
-    def device_pixels(self, preprocess: Preprocess, device: torch.device) -> torch.Tensor:
-        """uint8 pixels [n, C, H, W] on `device` of the readable images, in order: those decoded on the CPU copied
-        there, the JPEGs decoded by nvJPEG and resized and cropped by preprocess.resize_crop_batch. A JPEG nvJPEG
-        fails on is decoded on the CPU instead, or, if it is no image there either, becomes unreadable (its
-        reason set here). On a CUDA device the work runs on a stream of its own, which the current stream then
-        waits for (see _decode_stream)."""
-        if device.type != "cuda":
-            return self._device_pixels(preprocess, device)
-        stream = _decode_stream(device)
-        stream.synchronize()
-        with torch.cuda.stream(stream):
-            pixels = self._device_pixels(preprocess, device)
-        torch.cuda.current_stream(device).wait_stream(stream)
-        pixels.record_stream(torch.cuda.current_stream(device))
-        return pixels
+    def nvjpeg(self, device: torch.device) -> list[torch.Tensor | str]:
+        """decode_jpegs of the JPEGs left to nvJPEG, in order: for each, its uint8 RGB [3, H, W] on `device` or the
+        error nvJPEG gave."""
+        if not self.jpeg_ends:
+            return []
+        starts = [0] + self.jpeg_ends[:-1]
+        return decode_jpegs([self.jpeg[a:b] for a, b in zip(starts, self.jpeg_ends)], device)
 
-    def _device_pixels(self, preprocess: Preprocess, device: torch.device) -> torch.Tensor:
+    def device_pixels(self, preprocess: Preprocess, device: torch.device, decoded: list[torch.Tensor | str],
+                      consumer: torch.cuda.Stream | None = None) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """uint8 pixels [n, C, H, W] on `device` of the readable images, in order: those decoded on the CPU copied
+        there, the JPEGs nvJPEG decoded (`decoded`, from nvjpeg()) resized and cropped by
+        preprocess.resize_crop_batch. A JPEG nvJPEG failed on is decoded on the CPU instead, or, if it is no image
+        there either, becomes unreadable (its reason set here). On a CUDA device the work runs on a stream of its
+        own (_decode_stream): the pixels may be read on `consumer` (default: the current stream) once it waits for
+        the event returned with them; elsewhere the event is None."""
+        if device.type != "cuda":
+            return self._device_pixels(preprocess, device, decoded), None
+        stream = _decode_stream(device)
+        with torch.cuda.stream(stream):
+            pixels = self._device_pixels(preprocess, device, decoded)
+        pixels.record_stream(consumer or torch.cuda.current_stream(device))
+        return pixels, stream.record_event()
+
+    def _device_pixels(self, preprocess: Preprocess, device: torch.device,
+                       decoded: list[torch.Tensor | str]) -> torch.Tensor:
         cpu = self.pixels.to(device, non_blocking=True)
         if not any(self.gpu):
             return cpu
         starts = [0] + self.jpeg_ends[:-1]
-        decoded = iter(decode_jpegs([self.jpeg[a:b] for a, b in zip(starts, self.jpeg_ends)], device))
+        decoded = iter(decoded)
         spans = iter(zip(starts, self.jpeg_ends))
         cpu_rows, gpu_rows, gpu_images, late_rows, late = [], [], [], [], []
         for i, on_gpu in enumerate(self.gpu):
@@ -92,6 +104,8 @@ class Batch:
             if pixels is not None:
                 late_rows.append(row)
                 late.append(pixels)
+        if gpu_rows and not cpu_rows and not late_rows:   # all nvJPEG's, in order
+            return preprocess.resize_crop_batch(gpu_images)
         out = torch.empty((len(cpu_rows) + len(gpu_rows) + len(late_rows), preprocess.channels, *preprocess.size),
                           dtype=torch.uint8, device=device)
         if cpu_rows:
@@ -105,11 +119,81 @@ class Batch:
 
 @functools.lru_cache(maxsize=None)
 def _decode_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream a device's decoding runs on. torchvision's nvJPEG decoder writes its output, on a stream of its
-    own, into memory the caller's stream may still be reading (memory freed there and handed out again), which
-    showed as other images' pixels in embed's output. On this stream, emptied before each decode, nothing it frees
-    is still being read: its results are read on the current stream only after record_stream."""
+    """The stream a device's decoding and resizing run on, beside the forwards on the current stream."""
     return torch.cuda.Stream(device)
+
+
+def device_batches(batches: Iterable[Batch], preprocess: Preprocess, device: torch.device, gpu_decode: bool,
+                   ahead: int = 2) -> Iterator[tuple[Batch, torch.Tensor]]:
+    """Each batch with its uint8 pixels [n, C, H, W] on `device`, in order, ready for the stream current where
+    this generator runs. Without gpu_decode the pixels decoded on the CPU are copied. With it, two threads work
+    up to `ahead` batches before they are asked for: one keeps nvJPEG decoding (it holds its caller until a batch
+    is decoded), the other resizes what it decoded (Batch.device_pixels), while the caller launches and
+    collects forwards. An error in either thread is raised here."""
+    batches = iter(batches)  # here: a DataLoader's iterator is made on the thread that owns its signal handlers
+    if not gpu_decode:
+        for batch in batches:
+            yield batch, batch.pixels.to(device, non_blocking=True)
+        return
+    cuda = device.type == "cuda"
+    consumer = torch.cuda.current_stream(device) if cuda else None
+
+    def decode(batch: Batch) -> tuple[Batch, list[torch.Tensor | str]]:
+        with torch.cuda.stream(_decode_stream(device)) if cuda else contextlib.nullcontext():
+            return batch, batch.nvjpeg(device)   # ready for the stream the resizing runs on
+
+    decoded = _in_thread(decode, batches, ahead, "vit-triton-nvjpeg")
+    resized = _in_thread(lambda d: (d[0], *d[0].device_pixels(preprocess, device, d[1], consumer)), decoded, ahead,
+                         "vit-triton-resize")
+    try:
+        for batch, pixels, ready in resized:
+            if ready is not None:
+                torch.cuda.current_stream(device).wait_event(ready)
+            yield batch, pixels
+    finally:
+        resized.close()   # now, not whenever it is collected: its thread closes `decoded`, and each stops its thread
+
+
+def _in_thread(fn, items: Iterator, ahead: int, name: str) -> Iterator:
+    """fn(item) of each item, in order, computed on a thread of its own at most `ahead` items before they are
+    asked for (under torch.inference_mode); the thread's error is raised here. Closing this generator stops the
+    thread, which closes `items` if it is a generator."""
+    done: queue.Queue = queue.Queue(maxsize=ahead)
+    stop = threading.Event()
+
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                done.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def work() -> None:
+        try:
+            with torch.inference_mode():
+                for item in items:
+                    if not put((fn(item),)):
+                        return
+        except BaseException as e:  # noqa: BLE001 -- handed to the caller, who raises it
+            put(e)
+        else:
+            put(None)
+        finally:
+            if hasattr(items, "close"):
+                items.close()
+
+    thread = threading.Thread(target=work, name=name, daemon=True)
+    thread.start()
+    try:
+        while (item := done.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            yield item[0]
+    finally:
+        stop.set()
+        thread.join()
 
 
 def image_item(data: bytes, preprocess: Preprocess,

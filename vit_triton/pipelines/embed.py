@@ -4,10 +4,11 @@
 Per process: DataLoader workers read, decode, resize and crop (uint8) while the GPU runs the previous
 batches; pinned batches are copied without blocking, normalized on the device (on a GPU, a full
 batch's normalizing, forward and pooling replay one CUDA graph), and each batch's results come back
-through pinned memory one batch later, so that copying and writing overlap the next forward. Batches
-never straddle a chunk (store.py: chunk_size files, or one tar shard, which one worker reads whole), so a
-batch holds the same images however the work is split, and a resumed or a torchrun run writes what one
-uninterrupted process would.
+through pinned memory one batch later, so that copying and writing overlap the next forward. With --decode
+gpu the workers only read JPEGs, and two threads of this process decode (nvJPEG) and resize them ahead of the
+forwards (data/files.py, device_batches). Batches never straddle a chunk (store.py: chunk_size files, or one tar
+shard, which one worker reads whole), so a batch holds the same images however the work is split, and a resumed
+or a torchrun run writes what one uninterrupted process would.
 
 Under torchrun (WORLD_SIZE > 1) rank 0 locks the output for the whole run, lists the inputs and
 chooses the chunks still to do; rank r takes every world-th of them; rank 0 merges when all are done.
@@ -31,7 +32,7 @@ from torch.utils.data import DataLoader, Sampler
 
 from ..data import Preprocess, UnreadableImage, load_image
 from ..data.decode import nvjpeg_available
-from ..data.files import Batch, ImageFiles, TarShards, worker_init
+from ..data.files import Batch, ImageFiles, TarShards, device_batches, worker_init
 from ..data.sources import is_shard, list_inputs
 from ..loaders import from_pretrained
 from ..runtime import CUDAGraphRunner
@@ -389,9 +390,7 @@ def _run(model, pre: Preprocess, inputs: list[str], chunks: dict[int, range], st
     graphed = CUDAGraphRunner(model, forward=compute) if device.type == "cuda" else None
     in_flight = None
     with torch.inference_mode():
-        for batch in loader:
-            # nvJPEG's work for this batch runs beside the previous batch's forward, on its own stream
-            pixels = batch.device_pixels(pre, device) if gpu_decode else batch.pixels.to(device, non_blocking=True)
+        for batch, pixels in device_batches(loader, pre, device, gpu_decode):
             on_gpu = sum(batch.gpu)
             decoded_on_gpu, decoded_on_cpu = decoded_on_gpu + on_gpu, decoded_on_cpu + len(pixels) - on_gpu
             launched = _launch(compute, graphed, batch, pixels, device, batch_size, empty)
