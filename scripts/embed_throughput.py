@@ -177,18 +177,22 @@ def gpu_decode_ceilings(checkpoint: Path, paths: list[str], batch_size: int) -> 
     from vit_triton.data.decode import decode_jpegs
 
     pre = _preprocess(checkpoint)
-    encoded = _encoded(paths[:batch_size])
+    encoded, blocks = _encoded(paths[:batch_size])
     cuda = torch.device("cuda")
-    decoded = decode_jpegs(encoded, cuda)
+    decoded = decode_jpegs(encoded, cuda, blocks)
     return {"megapixels_mean": sum(d.shape[1] * d.shape[2] for d in decoded) / len(decoded) / 1e6,
-            "nvjpeg_images_per_s": _images_per_s(lambda: decode_jpegs(encoded, cuda), iters=10),
+            "nvjpeg_images_per_s": _images_per_s(lambda: decode_jpegs(encoded, cuda, blocks), iters=10),
             "resize_images_per_s": _images_per_s(lambda: pre.resize_crop_batch(decoded), iters=10),
-            "nvjpeg_and_resize_images_per_s": _images_per_s(lambda: pre.resize_crop_batch(decode_jpegs(encoded, cuda)),
-                                                            iters=10)}
+            "nvjpeg_and_resize_images_per_s": _images_per_s(
+                lambda: pre.resize_crop_batch(decode_jpegs(encoded, cuda, blocks)), iters=10)}
 
 
-def _encoded(paths: list[str]) -> list[torch.Tensor]:
-    return [torch.frombuffer(bytearray(Path(p).read_bytes()), dtype=torch.uint8) for p in paths]
+def _encoded(paths: list[str]) -> tuple[list[torch.Tensor], list[tuple[int, int]]]:
+    """The JPEGs' bytes as decode_jpegs takes them, and their chroma blocks."""
+    from vit_triton.data.decode import nvjpeg_block
+
+    data = [Path(p).read_bytes() for p in paths]
+    return [torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in data], [nvjpeg_block(d) for d in data]
 
 
 def pixel_differences(checkpoint: Path, paths: list[str], batch_size: int) -> dict:
@@ -200,7 +204,8 @@ def pixel_differences(checkpoint: Path, paths: list[str], batch_size: int) -> di
     pre = _preprocess(checkpoint)
     files = ImageFiles(paths[:batch_size], pre)
     cpu = torch.stack([files[i][1] for i in range(len(files))]).cuda()
-    gpu = pre.resize_crop_batch(decode_jpegs(_encoded(paths[:batch_size]), torch.device("cuda")))
+    encoded, blocks = _encoded(paths[:batch_size])
+    gpu = pre.resize_crop_batch(decode_jpegs(encoded, torch.device("cuda"), blocks))
     diff = (gpu.int() - cpu.int()).abs()
     return {"images": len(files), "max_abs_levels": int(diff.max()), "mean_abs_levels": float(diff.float().mean()),
             "share_differing": float((diff > 0).float().mean()), "share_over_1": float((diff > 1).float().mean())}

@@ -16,18 +16,20 @@ from tests.checkpoints import image, save_timm, timm_model
 from tests.numerics import DEVICE
 from vit_triton.cli import main
 from vit_triton.data import Preprocess
-from vit_triton.data.decode import nvjpeg_decodable
+from vit_triton.data.decode import nvjpeg_block
 from vit_triton.data.files import device_batches, image_item, make_batch
 from vit_triton.pipelines.embed import _decoding as decoding
 from vit_triton.pipelines.store import UsageError
 
 pytest.importorskip("torchvision")
 PRE = Preprocess.from_timm(dict(input_size=(3, 32, 32), crop_pct=0.9))
-# nvJPEG's chroma upsampling is not libjpeg-turbo's (its IDCT and colour conversion are: 4:4:4 JPEGs decode to the
-# same pixels): the largest pixel difference the GPU path may show against the CPU path, in uint8 levels (the
-# resize kernel itself is exact; an H100 showed 16 on these noisy small 4:2:0 images and 8 on 4:2:2 ones, 11 and
-# 15 on photo-like ones of 0.1-2 megapixels), and the smallest cosine similarity of the two paths' embeddings.
-MAX_LEVELS = 20
+# nvJPEG's samples and colour conversion are libjpeg-turbo's, and kernels/chroma.py upsamples its chroma as
+# libjpeg-turbo does, but only from blocks with a pixel no channel of which is clamped at 0 or 255: next to blocks
+# without one, pixels may differ. The largest difference the GPU path may show against the CPU path, in uint8
+# levels (the resize kernel itself is exact; an H100 showed 5 on these noisy small 4:2:0 images and 6 on 4:2:2
+# ones, with 99.2% and 95.4% of values equal, and 5 on photo-like ones of 0.1-2 megapixels, 99.96% equal; 16 before
+# the chroma was upsampled), and the smallest cosine similarity of the two paths' embeddings.
+MAX_LEVELS = 10
 MIN_COSINE = 0.9999
 
 
@@ -52,21 +54,24 @@ def _png(seed: int) -> bytes:
     return buffer.getvalue()
 
 
-@pytest.mark.parametrize("data, nvjpeg", [
-    (_jpeg(0, 30, 41), True),
-    (_jpeg(1, 30, 41, mode="L"), False),                    # grayscale: nvJPEG's RGB of it is wrong
-    (_jpeg(2, 30, 41, subsampling=0, quality=95), True),
-    (_jpeg(3, 30, 41) + b"\0\0", True),                     # padding after the end marker
-    (_jpeg(4, 30, 41, progressive=True), False),
-    (_jpeg(5, 30, 41, mode="CMYK"), False),
-    (_turned(6), False),
-    (_jpeg(7, 30, 41)[:400], False),                        # truncated: no end marker
-    (_png(8), False),
-    (b"\xff\xd8\xff" + b"\0" * 40 + b"\xff\xd9", False),    # a JPEG's first and last bytes, no header
-    (b"", False),
+@pytest.mark.parametrize("data, block", [
+    (_jpeg(0, 30, 41), (2, 2)),                             # Pillow's default: 4:2:0
+    (_jpeg(1, 30, 41, mode="L"), None),                     # grayscale: nvJPEG's RGB of it is wrong
+    (_jpeg(2, 30, 41, subsampling=0, quality=95), (1, 1)),
+    (_jpeg(3, 30, 41, subsampling=1), (1, 2)),
+    (_jpeg(4, 30, 2), None),                                # 4:2:0 two pixels wide
+    (_jpeg(5, 30, 2, subsampling=0), (1, 1)),
+    (_jpeg(6, 30, 41) + b"\0\0", (2, 2)),                    # padding after the end marker
+    (_jpeg(7, 30, 41, progressive=True), None),
+    (_jpeg(8, 30, 41, mode="CMYK"), None),
+    (_turned(9), None),
+    (_jpeg(10, 30, 41)[:400], None),                        # truncated: no end marker
+    (_png(11), None),
+    (b"\xff\xd8\xff" + b"\0" * 40 + b"\xff\xd9", None),    # a JPEG's first and last bytes, no header
+    (b"", None),
 ])
-def test_the_files_left_to_nvjpeg(data, nvjpeg):
-    assert nvjpeg_decodable(data) is nvjpeg
+def test_the_files_left_to_nvjpeg_and_their_chroma_blocks(data, block):
+    assert nvjpeg_block(data) == block
 
 
 def test_a_mixed_batch_keeps_input_order(tmp_path):
@@ -143,7 +148,9 @@ def test_a_consumer_that_stops_early_stops_the_decoding_thread():
 
 def test_where_decoding_runs():
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
-    assert decoding(None, cpu, PRE) == decoding("cpu", cpu, PRE) == decoding(None, cuda, PRE) == "cpu"
+    assert decoding(None, cpu, PRE) == decoding("cpu", cpu, PRE) == decoding("cpu", cuda, PRE) == "cpu"
+    # By default the GPU wherever nvJPEG runs and gives libjpeg-turbo's pixels (a small JPEG is decoded there first)
+    assert decoding(None, cuda, PRE) == ("gpu" if torch.cuda.is_available() else "cpu")
     with pytest.raises(UsageError, match=r"--decode gpu: nvJPEG decodes on a CUDA device, and this run is on cpu; "
                                          r"use --decode cpu"):
         decoding("gpu", cpu, PRE)
@@ -151,6 +158,7 @@ def test_where_decoding_runs():
     nearest = Preprocess.from_timm(dict(input_size=(3, 32, 32), interpolation="nearest"))
     with pytest.raises(UsageError, match=r"--decode gpu: nvJPEG decodes to RGB, and the model takes 1 channel\(s\)"):
         decoding("gpu", cuda, gray)
+    assert decoding(None, cuda, gray) == decoding(None, cuda, nearest) == "cpu"
     with pytest.raises(UsageError, match=r"--decode gpu: the resize kernel has no 'nearest' filter"):
         decoding("gpu", cuda, nearest)
     if torch.cuda.is_available():   # a small JPEG is decoded there first
@@ -192,7 +200,7 @@ def both_paths(tmp_path_factory):
                          "--batch-size", "32", "--num-workers", "2", "--image-size", "64"]) == 0
         lines[decode] = out.getvalue()
         tables[decode] = np.stack(pq.read_table(tmp_path / f"{decode}.parquet").column("embedding").to_pylist())
-    return photos, [p for p in photos if nvjpeg_decodable(p.read_bytes())], tables, lines
+    return photos, [p for p in photos if nvjpeg_block(p.read_bytes())], tables, lines
 
 
 def _sampling(path) -> str:
@@ -207,11 +215,13 @@ def test_gpu_pixels_stay_within_the_bound_and_every_decoder_is_counted(both_path
     assert [p for p in photos if p not in paths] == [p for p in photos if Image.open(p).mode == "L"]
     cpu = torch.stack([image_item(p.read_bytes(), PRE)[0] for p in paths]).cuda()
     encoded = [torch.frombuffer(bytearray(p.read_bytes()), dtype=torch.uint8) for p in paths]
-    difference = (PRE.resize_crop_batch(decode_jpegs(encoded, torch.device("cuda"))).int() - cpu.int()).abs()
+    blocks = [nvjpeg_block(p.read_bytes()) for p in paths]
+    difference = (PRE.resize_crop_batch(decode_jpegs(encoded, torch.device("cuda"), blocks)).int() - cpu.int()).abs()
     worst = difference.flatten(1).max(1).values
     for kind in sorted({_sampling(p) for p in paths}):
         rows = [i for i, p in enumerate(paths) if _sampling(p) == kind]
-        print(f"{kind}: largest {worst[rows].max().item()} levels, mean {difference[rows].float().mean():.4f}")
+        print(f"{kind}: largest {worst[rows].max().item()} levels, mean {difference[rows].float().mean():.4f}, "
+              f"equal {(difference[rows] == 0).float().mean():.4f}")
     over = [(p.name, Image.open(p).size, _sampling(p), worst[i].item()) for i, p in enumerate(paths)
             if worst[i] > MAX_LEVELS]
     assert not over, f"images over {MAX_LEVELS} levels (name, size, subsampling, levels): {over}"
@@ -219,10 +229,6 @@ def test_gpu_pixels_stay_within_the_bound_and_every_decoder_is_counted(both_path
     assert f"decoded 0 on the GPU and {len(photos)} on the CPU" in lines["cpu"]
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="nvJPEG's chroma upsampling is not libjpeg-turbo's: on an H100 the least cosine similarity "
-                          "of these random-weight embeddings was 0.9943 for 4:2:0 JPEGs and 0.9965 for 4:2:2 ones "
-                          "(1.0 for 4:4:4), short of the 0.9999 asked for")
 def test_embeddings_decoded_on_the_gpu_match_the_cpu_path(both_paths):
     photos, _, tables, _ = both_paths
     a, b = tables["cpu"], tables["gpu"]

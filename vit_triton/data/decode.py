@@ -13,8 +13,9 @@ import functools
 import io
 import os
 
+import numpy as np
 import torch
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageOps, JpegImagePlugin, UnidentifiedImageError
 
 
 class UnreadableImage(Exception):
@@ -60,43 +61,59 @@ def load_image(path: str | os.PathLike, mode: str = "RGB") -> Image.Image:
 _EXIF_ORIENTATION = 0x0112
 
 
-def nvjpeg_decodable(data: bytes) -> bool:
-    """Whether nvJPEG should decode `data`: a baseline colour (YCbCr) JPEG with no EXIF turn, whole (it ends in the
-    end-of-image marker), read from its header alone. Everything else (PNG, WebP, progressive, CMYK or grayscale
-    JPEGs, whose RGB from nvJPEG was up to 237 levels off on an H100, a turned photo, a broken header, a truncated
-    file, which nvJPEG would decode into grey without a word) is decode_image's, which also names what is wrong
-    with a bad file."""
+_BLOCKS = {0: (1, 1), 1: (1, 2), 2: (2, 2)}   # Pillow's subsampling codes: 4:4:4, 4:2:2, 4:2:0
+
+
+def nvjpeg_block(data: bytes) -> tuple[int, int] | None:
+    """Where nvJPEG should decode `data`, its chroma block (rows, columns: 1 x 1 for 4:4:4, 1 x 2 for 4:2:2, 2 x 2
+    for 4:2:0), else None: a baseline colour (YCbCr) JPEG with one of those subsamplings and no EXIF turn, whole
+    (it ends in the end-of-image marker), read from its header alone. Everything else (PNG, WebP, progressive,
+    CMYK or grayscale JPEGs, whose RGB from nvJPEG was up to 237 levels off on an H100, other subsamplings, a
+    subsampled image 1 or 2 pixels wide, a turned photo, a broken header, a truncated file, which nvJPEG would
+    decode into grey without a word) is decode_image's, which also names what is wrong with a bad file."""
     if data[:3] != b"\xff\xd8\xff" or data.rstrip(b"\0")[-2:] != b"\xff\xd9":
-        return False
+        return None
     try:
         with Image.open(io.BytesIO(data)) as image:
-            return (image.format == "JPEG" and image.mode == "RGB" and "progression" not in image.info
-                    and image.getexif().get(_EXIF_ORIENTATION, 1) == 1)
+            block = _BLOCKS.get(JpegImagePlugin.get_sampling(image)) if image.format == "JPEG" else None
+            if (block is None or image.mode != "RGB" or "progression" in image.info
+                    or image.getexif().get(_EXIF_ORIENTATION, 1) != 1 or (block != (1, 1) and image.width < 3)):
+                return None
+            return block
     except Exception:  # noqa: BLE001 -- any header Pillow cannot read is decode_image's to report
-        return False
+        return None
 
 
 def nvjpeg_available(device: torch.device) -> str | None:
-    """None where torchvision decodes JPEGs with nvJPEG on `device` (a small one is tried there), else why not."""
+    """None where torchvision decodes JPEGs with nvJPEG on `device` into libjpeg-turbo's pixels (a small 4:2:0 one
+    is tried there), else why not."""
     if device.type != "cuda":
         return f"nvJPEG decodes on a CUDA device, and this run is on {device}"
     try:
-        from torchvision.io import decode_jpeg
+        import torchvision.io  # noqa: F401 -- only whether it is there
     except ImportError:
         return "torchvision is not installed (pip install 'vit-triton[embed]')"
+    y, x = np.mgrid[0:37, 0:46]
     probe = io.BytesIO()
-    Image.new("RGB", (8, 8)).save(probe, "JPEG")
+    Image.fromarray(np.stack([128 + 40 * np.sin(x / 5 + c) * np.cos(y / 7) for c in range(3)], -1).astype(np.uint8)
+                    ).save(probe, "JPEG", quality=90, subsampling=2)
     try:
-        decode_jpeg([torch.frombuffer(bytearray(probe.getvalue()), dtype=torch.uint8)], device=device)
+        [image] = decode_jpegs([torch.frombuffer(bytearray(probe.getvalue()), dtype=torch.uint8)], device, [(2, 2)])
     except RuntimeError as e:  # a torchvision built without nvJPEG, or a device it cannot use
         return f"torchvision cannot decode JPEGs on {device}: {e}"
+    want = torch.from_numpy(np.array(decode_image(probe.getvalue()))).permute(2, 0, 1)
+    if not isinstance(image, torch.Tensor) or not torch.equal(image.cpu(), want):
+        return f"nvJPEG's pixels on {device} are not libjpeg-turbo's once its chroma is upsampled as libjpeg-turbo does"
     return None
 
 
-def decode_jpegs(encoded: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | str]:
-    """JPEGs (uint8 [n] CPU tensors of their bytes) decoded by nvJPEG on `device`: uint8 RGB [3, H, W] each, ready
-    for the current stream, or the error nvJPEG gave for that one (the batch is decoded one by one when it fails
-    as a whole). On the CPU, torchvision's libjpeg-turbo decodes them instead."""
+def decode_jpegs(encoded: list[torch.Tensor], device: torch.device,
+                 blocks: list[tuple[int, int]]) -> list[torch.Tensor | str]:
+    """JPEGs (uint8 [n] CPU tensors of their bytes, with their chroma blocks from nvjpeg_block) decoded by nvJPEG on
+    `device`: uint8 RGB [3, H, W] each, libjpeg-turbo's pixels (kernels/chroma.py upsamples the chroma of 4:2:0
+    and 4:2:2 ones as it does), ready for the current stream; or why not, for one nvJPEG failed on or whose chroma
+    was not as expected (the batch is decoded one by one when it fails as a whole). On the CPU, torchvision's
+    libjpeg-turbo decodes them instead."""
     if device.type != "cuda":
         return _decode_jpegs(encoded, device)
     # torchvision's nvJPEG decoder allocates its outputs on the current stream but writes them on a stream of its
@@ -109,7 +126,30 @@ def decode_jpegs(encoded: list[torch.Tensor], device: torch.device) -> list[torc
     for image in decoded:
         if isinstance(image, torch.Tensor):
             image.record_stream(current)
-    return decoded
+    return _upsampled(decoded, blocks)
+
+
+def _upsampled(decoded: list[torch.Tensor | str], blocks: list[tuple[int, int]]) -> list[torch.Tensor | str]:
+    """nvJPEG's images with their chroma upsampled as libjpeg-turbo does (one copy into a buffer of them all);
+    one whose chroma samples were not repeated over their blocks becomes the reason."""
+    from ..kernels.chroma import fancy_upsample   # defining a kernel reads TRITON_INTERPRET: on first use
+
+    subsampled = [i for i, (image, block) in enumerate(zip(decoded, blocks))
+                  if isinstance(image, torch.Tensor) and block != (1, 1)]
+    if not subsampled:
+        return decoded
+    rows, offset = [], 0
+    for i in subsampled:
+        _, height, width = decoded[i].shape
+        rows.append([offset, height, width, *blocks[i]])
+        offset += 3 * height * width
+    pixels = torch.cat([decoded[i].view(-1) for i in subsampled])
+    counts = fancy_upsample(pixels, torch.tensor(rows, dtype=torch.int64)).tolist()
+    out = list(decoded)
+    for i, (offset, height, width, *_), (_, inconsistent) in zip(subsampled, rows, counts):
+        out[i] = (pixels[offset:offset + 3 * height * width].view(3, height, width) if not inconsistent else
+                  f"nvJPEG's chroma was not one sample repeated over each block ({inconsistent} blocks)")
+    return out
 
 
 @functools.lru_cache(maxsize=None)

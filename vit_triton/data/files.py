@@ -14,11 +14,12 @@ import sys
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
-from .decode import UnreadableImage, decode_image, decode_jpegs, nvjpeg_decodable
+from .decode import UnreadableImage, decode_image, decode_jpegs, nvjpeg_block
 from .preprocess import Preprocess
 from .sources import read_bytes, tar_images
 
@@ -29,9 +30,9 @@ _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 class Batch:
     """One batch of images: each one's name (a path, or SHARD#MEMBER) and None or the reason it cannot be read,
     in order; uint8 pixels [n, C, H, W] of the readable ones decoded on the CPU, in order; and, with GPU decoding,
-    the bytes of the JPEGs left to nvJPEG (`jpeg` holds them end to end, `jpeg_ends` where each one ends; `gpu`
-    says which items they are). For embed, all of them are of one chunk (its unit of work, which batches never
-    span), and `last` says the batch ends it."""
+    the bytes of the JPEGs left to nvJPEG (`jpeg` holds them end to end, `jpeg_ends` where each one ends,
+    `jpeg_blocks` their chroma blocks; `gpu` says which items they are). For embed, all of them are of one chunk
+    (its unit of work, which batches never span), and `last` says the batch ends it."""
 
     chunk: int
     names: list[str]
@@ -41,6 +42,7 @@ class Batch:
     gpu: list[bool] = field(default_factory=list)
     jpeg: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.uint8))
     jpeg_ends: list[int] = field(default_factory=list)
+    jpeg_blocks: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def readable(self) -> list[str]:
@@ -60,7 +62,7 @@ class Batch:
         if not self.jpeg_ends:
             return []
         starts = [0] + self.jpeg_ends[:-1]
-        return decode_jpegs([self.jpeg[a:b] for a, b in zip(starts, self.jpeg_ends)], device)
+        return decode_jpegs([self.jpeg[a:b] for a, b in zip(starts, self.jpeg_ends)], device, self.jpeg_blocks)
 
     def device_pixels(self, preprocess: Preprocess, device: torch.device, decoded: list[torch.Tensor | str],
                       consumer: torch.cuda.Stream | None = None) -> tuple[torch.Tensor, torch.cuda.Event | None]:
@@ -196,13 +198,20 @@ def _in_thread(fn, items: Iterator, ahead: int, name: str) -> Iterator:
         thread.join()
 
 
+class Jpeg(NamedTuple):
+    """A JPEG left to nvJPEG: its bytes and its chroma block (nvjpeg_block)."""
+
+    data: bytes
+    block: tuple[int, int]
+
+
 def image_item(data: bytes, preprocess: Preprocess,
-               gpu_decode: bool = False) -> tuple[torch.Tensor | bytes | None, str | None]:
+               gpu_decode: bool = False) -> tuple[torch.Tensor | Jpeg | None, str | None]:
     """The one step from an image's bytes to what a batch holds, for files and shards alike: (uint8 pixels
     [C, H, W] resized and cropped by `preprocess`, None), or (None, the reason the bytes are no image); with
-    gpu_decode, a JPEG that nvJPEG takes is left encoded: (its bytes, None)."""
-    if gpu_decode and nvjpeg_decodable(data):
-        return data, None
+    gpu_decode, a JPEG that nvJPEG takes is left encoded: (Jpeg, None)."""
+    if gpu_decode and (block := nvjpeg_block(data)) is not None:
+        return Jpeg(data, block), None
     try:
         image = decode_image(data, "L" if preprocess.channels == 1 else "RGB")
     except UnreadableImage as e:
@@ -210,18 +219,19 @@ def image_item(data: bytes, preprocess: Preprocess,
     return preprocess.resize_crop(image), None
 
 
-def make_batch(chunk: int, items: list[tuple[str, torch.Tensor | None, str | None]], last: bool,
+def make_batch(chunk: int, items: list[tuple[str, torch.Tensor | Jpeg | None, str | None]], last: bool,
                preprocess: Preprocess) -> Batch:
-    """The Batch of (name, pixels or JPEG bytes or None, reason or None) items, from image_item."""
+    """The Batch of (name, pixels or Jpeg or None, reason or None) items, from image_item."""
     pixels = [p for _, p, _ in items if isinstance(p, torch.Tensor)]
-    jpegs = [p for _, p, _ in items if isinstance(p, bytes)]
+    jpegs = [p for _, p, _ in items if isinstance(p, Jpeg)]
     c, (h, w) = preprocess.channels, preprocess.size
     stacked = torch.stack(pixels) if pixels else torch.empty(0, c, h, w, dtype=torch.uint8)
     return Batch(chunk, [name for name, _, _ in items], [reason for _, _, reason in items], stacked, last,
-                 gpu=[isinstance(p, bytes) for _, p, _ in items],
-                 jpeg=torch.frombuffer(bytearray(b"".join(jpegs)), dtype=torch.uint8) if jpegs
+                 gpu=[isinstance(p, Jpeg) for _, p, _ in items],
+                 jpeg=torch.frombuffer(bytearray(b"".join(j.data for j in jpegs)), dtype=torch.uint8) if jpegs
                  else torch.empty(0, dtype=torch.uint8),
-                 jpeg_ends=list(itertools.accumulate(len(j) for j in jpegs)))
+                 jpeg_ends=list(itertools.accumulate(len(j.data) for j in jpegs)),
+                 jpeg_blocks=[j.block for j in jpegs])
 
 
 class ImageFiles(Dataset):

@@ -2,6 +2,7 @@
 
 from .activation import ACTIVATIONS
 from .attention import fused_attention
+from .chroma import fancy_upsample
 from .common import LaunchOptions, current_launch_options, launch_options
 from .layer_norm import add_layer_norm, layer_norm
 from .linear import linear, linear_partials, split_k
@@ -10,6 +11,6 @@ from .resize import resize_crop
 from .tf32 import round_to_tf32
 from .token_mean import token_mean
 
-__all__ = ["ACTIVATIONS", "LaunchOptions", "add_layer_norm", "current_launch_options", "fused_attention", "launch_options",
-           "layer_norm", "linear", "linear_partials", "patch_embed", "resize_crop", "round_to_tf32", "split_k",
-           "token_mean"]
+__all__ = ["ACTIVATIONS", "LaunchOptions", "add_layer_norm", "current_launch_options", "fancy_upsample",
+           "fused_attention", "launch_options", "layer_norm", "linear", "linear_partials", "patch_embed", "resize_crop",
+           "round_to_tf32", "split_k", "token_mean"]

@@ -208,6 +208,20 @@ def check_device(*tensors: torch.Tensor | None) -> torch.device:
     return device
 
 
+def check_image_batch(pixels: torch.Tensor, table: torch.Tensor, columns: tuple[str, ...]) -> torch.device:
+    """The device of a batch of images of any sizes as the image kernels take it: uint8 pixels, one flat contiguous
+    buffer, and an int64 CPU table of a row per image with these columns."""
+    device = check_device(pixels)
+    if pixels.dtype != torch.uint8 or pixels.dim() != 1 or not pixels.is_contiguous():
+        raise ValueError(f"pixels must be a contiguous 1-D torch.uint8 tensor, got {pixels.dtype} of shape "
+                         f"{tuple(pixels.shape)}")
+    if (table.dtype != torch.int64 or table.device.type != "cpu" or table.dim() != 2
+            or table.shape[1] != len(columns)):
+        raise ValueError(f"table must be an int64 CPU tensor [B, {len(columns)}] of ({', '.join(columns)}), got "
+                         f"{table.dtype} of shape {tuple(table.shape)} on {table.device}")
+    return device
+
+
 def check_dtype(name: str, t: torch.Tensor, expected: torch.dtype) -> None:
     if t.dtype != expected:
         raise ValueError(f"{name} must be {expected}, got {t.dtype}")

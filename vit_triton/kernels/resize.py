@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import check_device, pdl, start_next_kernel, wait_for_previous_kernel
+from .common import check_image_batch, pdl, start_next_kernel, wait_for_previous_kernel
 
 SUPPORT = {"box": 0.5, "bilinear": 1.0, "hamming": 1.0, "bicubic": 2.0, "lanczos": 3.0}   # in input pixels at scale 1
 FILTERS = tuple(SUPPORT)   # _filter's FILTER is the index here
@@ -241,14 +241,7 @@ def resize_crop(pixels: torch.Tensor, table: torch.Tensor, channels: int, size: 
       shrinks by more than twice the width), else 0.
     filter: one of FILTERS; fixed_point: "pillow" (Image.resize) or "torch" (F.interpolate of uint8, antialiased).
     """
-    device = check_device(pixels)
-    if pixels.dtype != torch.uint8 or pixels.dim() != 1 or not pixels.is_contiguous():
-        raise ValueError(f"pixels must be a contiguous 1-D torch.uint8 tensor, got {pixels.dtype} of shape "
-                         f"{tuple(pixels.shape)}")
-    columns = len(TABLE_COLUMNS)
-    if table.dtype != torch.int64 or table.device.type != "cpu" or table.dim() != 2 or table.shape[1] != columns:
-        raise ValueError(f"table must be an int64 CPU tensor [B, {columns}] of ({', '.join(TABLE_COLUMNS)}), got "
-                         f"{table.dtype} of shape {tuple(table.shape)} on {table.device}")
+    device = check_image_batch(pixels, table, TABLE_COLUMNS)
     if table.shape[0] == 0:
         raise ValueError("table must have a row for at least one image, got none")
     out_h, out_w = size

@@ -58,7 +58,7 @@ class EmbedOptions:
     image_size: tuple[int, int] | None = None   # default: the checkpoint's
     overwrite: bool = False
     progress: bool | None = None         # default: when stderr is a terminal
-    decode: str | None = None            # "cpu" (the default) or "gpu"
+    decode: str | None = None            # "gpu" or "cpu"; default: gpu where it can run
 
 
 class ChunkBatches(Sampler[list[int]]):
@@ -326,11 +326,12 @@ def _list(spec: str) -> list[str]:
 
 
 def _decoding(option: str | None, device: torch.device, pre: Preprocess) -> str:
-    """--decode: "cpu" (the default) or "gpu". UsageError for gpu where it cannot run, naming why: not on a CUDA
-    device, without torchvision, for a one-channel model, or a preprocessing filter the resize kernel lacks."""
+    """--decode: "gpu" or "cpu"; by default gpu where it can run, else cpu. UsageError for gpu where it cannot run,
+    naming why: not on a CUDA device, without torchvision or nvJPEG's pixels there, for a one-channel model, or a
+    preprocessing filter the resize kernel lacks."""
     if option not in (None, "cpu", "gpu"):
         raise UsageError(f"--decode must be cpu or gpu, got {option!r}")
-    if option != "gpu":
+    if option == "cpu":
         return "cpu"
     if pre.channels != 3:
         why = f"nvJPEG decodes to RGB, and the model takes {pre.channels} channel(s)"
@@ -338,9 +339,11 @@ def _decoding(option: str | None, device: torch.device, pre: Preprocess) -> str:
         why = f"the resize kernel has no {pre.resample!r} filter (the checkpoint's preprocessing)"
     else:
         why = nvjpeg_available(device)
-    if why is not None:
-        raise UsageError(f"--decode gpu: {why}; use --decode cpu")
-    return "gpu"
+    if why is None:
+        return "gpu"
+    if option is None:
+        return "cpu"
+    raise UsageError(f"--decode gpu: {why}; use --decode cpu")
 
 
 def _run(model, pre: Preprocess, inputs: list[str], chunks: dict[int, range], store: ChunkStore,
