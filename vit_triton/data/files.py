@@ -56,13 +56,17 @@ class Batch:
         self.pixels = self.pixels.pin_memory()  # not the JPEG bytes: nvJPEG stages them through its own buffers
         return self
 
+    @property
+    def jpeg_spans(self) -> list[tuple[int, int]]:
+        """Where each JPEG left to nvJPEG lies in `jpeg`: (start, end)."""
+        return list(zip([0] + self.jpeg_ends[:-1], self.jpeg_ends))
+
     def nvjpeg(self, device: torch.device) -> list[torch.Tensor | str]:
         """decode_jpegs of the JPEGs left to nvJPEG, in order: for each, its uint8 RGB [3, H, W] on `device` or the
         error nvJPEG gave."""
         if not self.jpeg_ends:
             return []
-        starts = [0] + self.jpeg_ends[:-1]
-        return decode_jpegs([self.jpeg[a:b] for a, b in zip(starts, self.jpeg_ends)], device, self.jpeg_blocks)
+        return decode_jpegs([self.jpeg[a:b] for a, b in self.jpeg_spans], device, self.jpeg_blocks)
 
     def device_pixels(self, preprocess: Preprocess, device: torch.device, decoded: list[torch.Tensor | str],
                       consumer: torch.cuda.Stream | None = None) -> tuple[torch.Tensor, torch.cuda.Event | None]:
@@ -85,9 +89,7 @@ class Batch:
         cpu = self.pixels.to(device, non_blocking=True)
         if not any(self.gpu):
             return cpu
-        starts = [0] + self.jpeg_ends[:-1]
-        decoded = iter(decoded)
-        spans = iter(zip(starts, self.jpeg_ends))
+        decoded, spans = iter(decoded), iter(self.jpeg_spans)
         cpu_rows, gpu_rows, gpu_images, late_rows, late = [], [], [], [], []
         for i, on_gpu in enumerate(self.gpu):
             if self.reasons[i] is not None:

@@ -158,14 +158,14 @@ def fancy_upsample(pixels: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         i = int(bad.nonzero()[0, 0])
         raise ValueError(f"table row {i}: an image's 3 x height x width pixels from its offset must lie in the "
                          f"{pixels.numel()} of pixels and its block must be 2 x 2 or 1 x 2, got {table[i].tolist()}")
-    blocks = -(-height // fy) * -(-width // fx)
+    rows_b, cols_b = -(-height // fy), -(-width // fx)   # each image's chroma blocks down and across
+    blocks = rows_b * cols_b
     counts = torch.zeros((len(table), 2), dtype=torch.int64, device=device)
     if not len(table):
         return counts
     device_table = torch.cat([table, (torch.cumsum(blocks, 0) - blocks)[:, None]], 1).to(device)
     codes = torch.empty(int(blocks.sum()), dtype=torch.int32, device=device)
-    grid = (len(table), triton.cdiv(int((-(-height // fy)).max()), BLOCK), triton.cdiv(int((-(-width // fx)).max()),
-                                                                                        BLOCK))
+    grid = (len(table), triton.cdiv(int(rows_b.max()), BLOCK), triton.cdiv(int(cols_b.max()), BLOCK))
     _chroma_kernel[grid](pixels, device_table, codes, counts, BLOCK_R=BLOCK, BLOCK_C=BLOCK, num_warps=4)
     grid = (len(table), triton.cdiv(int(height.max()), BLOCK), triton.cdiv(int(width.max()), BLOCK))
     _upsample_kernel[grid](pixels, device_table, codes, BLOCK_R=BLOCK, BLOCK_C=BLOCK, num_warps=4)
