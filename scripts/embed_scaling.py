@@ -2,14 +2,18 @@
 
 For each model (ViT-B/16 at 224 px, and DINOv2-L/14 at its 518 px: a decoding-bound and a GPU-bound case),
 embeds one folder of generated JPEGs (mixed sizes, 400x300 to 1600x1200) with `torchrun --nproc-per-node N -m
-vit_triton embed` for each N in --gpus, and reports images/s in all and per GPU against one GPU. One GPU runs
-twice: with embed's default decoding workers (all the CPUs less one) and with the share of the CPUs one rank
-gets at the largest N, so that a shortfall can be put on the decoding or on the GPUs. Every run's output must
-equal the one-GPU output row for row. Then a run at the largest N is killed (kill -9 of its last rank, once
-some chunks are written) and the same command run again: its output must be complete and equal too.
+vit_triton embed` for each N in --gpus (nvJPEG decoding by default, as embed's own default on a GPU), and reports
+images/s in all and per GPU against one GPU: over the whole run, as embed reports it (its start and the final merge
+of every rank's chunks into one file included), and steady (from the times the chunks end). With --share, one GPU
+also runs with the share of the CPUs one rank gets at the largest N, so that a shortfall can be put on the
+decoding or on the GPUs. Every run's output must equal the one-GPU output row for row (where one does not, the
+rows, the largest difference and the chunks that differ are reported). Then a run at the largest N is killed
+(kill -9 of its last rank, once some chunks are written) and the same command run again: its output must be
+complete and equal too.
 
     python scripts/embed_scaling.py [--gpus 1,2] [--models vit-b,dinov2-l] [--num-images 150000,24000]
-                                    [--distinct 20000] [--decode cpu|gpu] [--json out.json] [--dir DIR]
+                                    [--distinct 20000] [--decode cpu|gpu] [--no-share] [--no-kill]
+                                    [--json out.json] [--dir DIR]
 
 The folder holds --distinct generated JPEGs, each linked under several names up to --num-images (generating
 150,000 distinct photos would take longer than embedding them; decoding a linked file costs the same). Needs
@@ -25,6 +29,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -36,7 +41,7 @@ from embed_throughput import Sampler, make_checkpoint, make_images, read_all  # 
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = {"vit-b": "vit_base_patch16_224", "dinov2-l": "vit_large_patch14_dinov2"}
-_DONE = re.compile(r"this run: (\d+) images in ([\d.]+) s")
+_DONE = re.compile(r"this run: (\d+) images in ([\d.]+) s.*decoded (\d+) on the GPU and (\d+) on the CPU")
 
 
 def _command(n: int, checkpoint: Path, inputs: Path, output: Path, workers: int | None, decode: str,
@@ -52,19 +57,53 @@ def _env() -> dict:
 
 
 def run(n: int, checkpoint: Path, inputs: Path, output: Path, decode: str, workers: int | None = None) -> dict:
-    """One embed run; images/s from its own report (the time after the model is loaded)."""
+    """One embed run; images/s from its own report (the time after the model is loaded, the final merge included),
+    and the steady rate a GPU: each rank's chunks after its first, over the time from its first chunk's end to its
+    last's (rank r embeds chunks r, r + n, ...; a chunk's end is when its done marker appears), averaged over the
+    ranks that end two chunks or more."""
+    work, ended = output.with_name(output.name + ".partial"), {}
     with Sampler(n) as s:
         start = time.perf_counter()
-        result = subprocess.run(_command(n, checkpoint, inputs, output, workers, decode), env=_env(),
-                                capture_output=True, text=True)
+        proc = subprocess.Popen(_command(n, checkpoint, inputs, output, workers, decode), env=_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        reader = threading.Thread(target=lambda: ended.setdefault("out", proc.communicate()), daemon=True)
+        reader.start()
+        while reader.is_alive():
+            for marker in work.glob("chunk-*.json"):
+                ended.setdefault(int(marker.stem.split("-")[1]), time.perf_counter())
+            reader.join(0.1)
         wall = time.perf_counter() - start
-    if result.returncode != 0:
-        raise RuntimeError(f"embed with {n} GPU(s) failed:\n{result.stderr[-4000:]}")
-    images, seconds = _DONE.search(result.stdout).groups()
+    stdout, stderr = ended.pop("out")
+    if proc.returncode != 0:
+        raise RuntimeError(f"embed with {n} GPU(s) failed:\n{stderr[-4000:]}")
+    images, seconds, on_gpu, on_cpu = _DONE.search(stdout).groups()
     rate = int(images) / float(seconds)
+    total, chunk = len(inputs.read_text().split()), 4096
+    steady = []
+    for rank in range(n):
+        times = sorted((t, min(chunk, total - k * chunk)) for k, t in ended.items() if k % n == rank)
+        if len(times) > 1:
+            steady.append(sum(size for _, size in times[1:]) / (times[-1][0] - times[0][0]))
     return {"gpus": n, "workers_per_gpu": workers if workers is not None else (os.cpu_count() or 1) // n - 1,
-            "images": int(images), "seconds": float(seconds), "wall_seconds": wall, "images_per_s": rate,
-            "images_per_s_per_gpu": rate / n, "cpu_busy": s.cpu_busy, "gpu_util_percent": s.gpu_util}
+            "images": int(images), "seconds": float(seconds), "decoded_on_gpu": int(on_gpu),
+            "decoded_on_cpu": int(on_cpu), "wall_seconds": wall, "images_per_s": rate,
+            "images_per_s_per_gpu": rate / n,
+            "steady_images_per_s_per_gpu": sum(steady) / len(steady) if steady else None,
+            "ranks_with_a_steady_rate": len(steady),
+            "cpu_busy": s.cpu_busy, "gpu_util_percent": s.gpu_util}
+
+
+def difference(table, reference) -> dict:
+    """Where two outputs of the same inputs differ: rows, the largest embedding difference, and the chunks."""
+    import numpy as np
+
+    if table.column("path").to_pylist() != reference.column("path").to_pylist():
+        return {"same_paths": False}
+    a, b = (t.column("embedding").combine_chunks().flatten().to_numpy().astype(np.float32).reshape(t.num_rows, -1)
+            for t in (table, reference))
+    rows = np.flatnonzero((a != b).any(1))
+    return {"same_paths": True, "rows_differing": len(rows), "max_abs_difference": float(np.abs(a - b).max()),
+            "chunks_differing": sorted({int(r) // 4096 for r in rows})}
 
 
 def _children(pid: int) -> list[int]:
@@ -117,7 +156,11 @@ def main() -> int:
     parser.add_argument("--models", default="vit-b,dinov2-l", help="comma-separated, from " + ", ".join(MODELS))
     parser.add_argument("--num-images", default="150000,24000", help="images per model, in the order of --models")
     parser.add_argument("--distinct", type=int, default=20000, help="generated JPEGs; the rest are links to them")
-    parser.add_argument("--decode", choices=["cpu", "gpu"], default="cpu", help="embed's --decode (default cpu)")
+    parser.add_argument("--decode", choices=["cpu", "gpu"], default="gpu", help="embed's --decode (default gpu)")
+    parser.add_argument("--share", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time one GPU with one rank's share of the CPUs at the largest N (default on)")
+    parser.add_argument("--kill", action=argparse.BooleanOptionalAction, default=True,
+                        help="kill -9 a rank of the first model's largest-N run, then resume it (default on)")
     parser.add_argument("--dir", default=None, help="working folder (default: a temporary one)")
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
@@ -142,6 +185,11 @@ def main() -> int:
     results["first_read_mb_per_s"] = read_all(paths[:args.distinct])
     print(f"{max(counts)} JPEG paths ({args.distinct} distinct) in {time.perf_counter() - t0:.1f} s", flush=True)
     ok = True
+
+    def save() -> None:  # after every run: a call cut short keeps what it measured
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1))
+
     for model, count in zip(models, counts):
         checkpoint = make_checkpoint(root / MODELS[model], MODELS[model])
         inputs = root / f"{model}.txt"
@@ -151,33 +199,34 @@ def main() -> int:
         warm.write_text("\n".join(paths[:3 * 256 + count % 4096 % 256]) + "\n")
         for n in sorted({1, max(gpus)}):  # compile and tune before anything is timed
             run(n, checkpoint, warm, root / f"{model}-warm-{n}.parquet", args.decode)
-        runs = {f"{model}-1": run(1, checkpoint, inputs, root / f"{model}-1.parquet", args.decode)}
-        if max(gpus) > 1:
-            share = (os.cpu_count() or 1) // max(gpus) - 1
-            runs[f"{model}-1-share"] = run(1, checkpoint, inputs, root / f"{model}-1-share.parquet", args.decode, share)
-        runs.update({f"{model}-{n}": run(n, checkpoint, inputs, root / f"{model}-{n}.parquet", args.decode)
-                     for n in gpus if n > 1})
-        reference = pq.read_table(root / f"{model}-1.parquet")
-        one, same = runs[f"{model}-1"], runs.get(f"{model}-1-share", runs[f"{model}-1"])
-        for name, r in runs.items():
-            r["output_equals_one_gpu"] = pq.read_table(root / f"{name}.parquet").equals(reference)
+        runs: dict[str, dict] = {}
+        results["models"][model] = entry = {"architecture": MODELS[model], "images": count, "runs": runs}
+        share = (os.cpu_count() or 1) // max(gpus) - 1
+        plan = [(f"{model}-1", 1, None)] + ([(f"{model}-1-share", 1, share)] if max(gpus) > 1 and args.share else [])
+        for name, n, workers in plan + [(f"{model}-{n}", n, None) for n in gpus if n > 1]:
+            r = runs[name] = run(n, checkpoint, inputs, root / f"{name}.parquet", args.decode, workers)
+            one, same = runs[f"{model}-1"], runs.get(f"{model}-1-share", runs[f"{model}-1"])
+            table, reference = (pq.read_table(root / f"{m}.parquet") for m in (name, f"{model}-1"))
+            r["output_equals_one_gpu"] = table.equals(reference)
+            if not r["output_equals_one_gpu"]:
+                r["difference"] = difference(table, reference)
             r["per_gpu_vs_one_gpu"] = r["images_per_s_per_gpu"] / one["images_per_s"]
             r["per_gpu_vs_one_gpu_same_workers"] = r["images_per_s_per_gpu"] / same["images_per_s"]
+            if r["steady_images_per_s_per_gpu"] and one["steady_images_per_s_per_gpu"]:
+                r["steady_per_gpu_vs_one_gpu"] = r["steady_images_per_s_per_gpu"] / one["steady_images_per_s_per_gpu"]
             ok &= r["output_equals_one_gpu"]
             print(name, json.dumps(r), flush=True)
-        entry = {"architecture": MODELS[model], "images": count, "runs": runs}
-        if model == models[0] and max(gpus) > 1:
+            save()
+        if model == models[0] and max(gpus) > 1 and args.kill:
             killed = kill_and_resume(max(gpus), checkpoint, inputs, root / f"{model}-killed.parquet",
                                      args.decode)
             table = pq.read_table(root / f"{model}-killed.parquet")
-            killed["output_equals_one_gpu"] = table.equals(reference)
+            killed["output_equals_one_gpu"] = table.equals(pq.read_table(root / f"{model}-1.parquet"))
             killed["rows"], killed["distinct_paths"] = table.num_rows, len(set(table.column("path").to_pylist()))
             ok &= killed["output_equals_one_gpu"] and killed["rows"] == killed["distinct_paths"] == count
             print(json.dumps(killed), flush=True)
             entry["kill_and_resume"] = killed
-        results["models"][model] = entry
-        if args.json:
-            Path(args.json).write_text(json.dumps(results, indent=1))
+            save()
     return 0 if ok else 1
 
 

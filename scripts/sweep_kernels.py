@@ -150,11 +150,11 @@ def sweep_attention(dtype, shapes) -> list[dict]:
         timings = []
         for bm, bn, warps, stages in ATTENTION_CANDIDATES:
             def run():
-                attention_mod._attention_kernel.fn[(B * H, triton.cdiv(T, bm))](
-                    q, k, v, o, T, H, triton.next_power_of_2(B * H), Dh ** -0.5 * math.log2(math.e),
+                attention_mod._attention_kernel[(B * H * triton.cdiv(T, bm),)](
+                    q, k, v, o, T, H, T, Dh ** -0.5 * math.log2(math.e),
                     *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
                     HEAD_DIM=Dh, BLOCK_D=Dh, INPUT_PRECISION="ieee", QKV_TF32=False, O_TF32=False,
-                    BLOCK_M=bm, BLOCK_N=bn,
+                    KEYS0=0, KEYS1=0, KEYS2=0, BLOCK_M=bm, BLOCK_N=bn,
                     num_warps=warps, num_stages=stages, **pdl(q.device, B * H * triton.cdiv(T, bm)))
             try:
                 run()

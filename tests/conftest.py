@@ -30,7 +30,7 @@ def one_config(monkeypatch):
     for name in ("_plain_candidates", "_tma_candidates"):
         candidates = getattr(linear, name)
         monkeypatch.setattr(linear, name, lambda m, dtype, candidates=candidates: candidates(m, dtype)[:1])
-    monkeypatch.setattr(attention._attention_kernel, "configs", attention._attention_kernel.configs[:1])
+    monkeypatch.setattr(attention, "CANDIDATES", attention.CANDIDATES[:1])
 
 
 @pytest.fixture

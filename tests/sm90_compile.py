@@ -21,7 +21,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from vit_triton.cli import torch_dtype  # noqa: E402
-from vit_triton.kernels.attention import ONE_PASS_BLOCK_M, ONE_PASS_WARPS, _attention_kernel, key_pieces  # noqa: E402
+from vit_triton.kernels.attention import CANDIDATES, ONE_PASS, _attention_kernel, key_pieces  # noqa: E402
 from vit_triton.kernels.layer_norm import _layer_norm_kernel  # noqa: E402
 from vit_triton.kernels.common import PDL_EARLY, PDL_LATE  # noqa: E402
 from vit_triton.kernels.tuning import Config  # noqa: E402
@@ -114,6 +114,9 @@ def cases():
     """(name, kernel, dtype, options, constexprs, descriptors): each dtype once, each epilogue flag
     once in bf16."""
     epilogues = [(True, "none", False)] + [(b, act, not b) for act in ACTIVATIONS[1:] for b in (True, False)][:4]
+    # attention's streaming kernel with its first candidate
+    streaming = dict(KEYS0=0, KEYS1=0, KEYS2=0, BLOCK_M=CANDIDATES[0].block_m, BLOCK_N=CANDIDATES[0].block_n)
+    streaming_options = {"num_warps": CANDIDATES[0].warps, "num_stages": CANDIDATES[0].stages}
     for dtype in ("fp32", "bf16", "fp16"):
         config = FLOAT32[0] if dtype == "fp32" else LARGE_M[0]
         for bias, act, res in epilogues if dtype == "bf16" else [(True, "gelu", True)]:
@@ -137,14 +140,14 @@ def cases():
             yield linear_case(f"linear{'-tma' * tma}{'-split' * (split_k > 1)}-early", dtype, TINY_M[0], PDL_EARLY,
                               split_k, HAS_BIAS=True, ACT="none", HAS_RESIDUAL=False, HAS_SCALE=False,
                               INPUT_PRECISION="ieee", tma=tma)
-        streaming = dict(KEYS0=0, KEYS1=0, KEYS2=0)
-        yield ("fused_attention", _attention_kernel, dtype, {}, dict(HEAD_DIM=80, BLOCK_D=128, INPUT_PRECISION="ieee",
-                                                                     QKV_TF32=False, O_TF32=False, **streaming), None)
+        yield ("fused_attention", _attention_kernel, dtype, streaming_options,
+               dict(HEAD_DIM=80, BLOCK_D=128, INPUT_PRECISION="ieee", QKV_TF32=False, O_TF32=False, **streaming), None)
         # One pass over 197 keys, as fused_attention launches it at one ViT-B image.
-        yield ("fused_attention-one-pass-early", _attention_kernel.fn, dtype, {"num_warps": ONE_PASS_WARPS, "num_stages": 1},
+        yield ("fused_attention-one-pass-early", _attention_kernel, dtype,
+               {"num_warps": ONE_PASS.warps, "num_stages": ONE_PASS.stages},
                dict(HEAD_DIM=64, BLOCK_D=64, INPUT_PRECISION="ieee", QKV_TF32=False, O_TF32=False, PDL=PDL_EARLY,
-                    **dict(zip(("KEYS0", "KEYS1", "KEYS2"), key_pieces(197))), BLOCK_M=ONE_PASS_BLOCK_M,
-                    BLOCK_N=16), None)
+                    **dict(zip(("KEYS0", "KEYS1", "KEYS2"), key_pieces(197))), BLOCK_M=ONE_PASS.block_m,
+                    BLOCK_N=ONE_PASS.block_n), None)
         yield ("patch_embed", _patch_embed_kernel, dtype, {}, dict(
             PATCH=16, HAS_BIAS=True, HAS_PREFIX=True, HAS_POS=True, POS_HAS_PREFIX=dtype != "fp16",
             INPUT_PRECISION="ieee", W_TF32=False), None)
@@ -172,8 +175,8 @@ def cases():
         W_TF32=True), None)
     yield ("round_to_tf32", _round_to_tf32_kernel, "tf32", {"num_warps": 8}, dict(BLOCK=4096), None)
     for pre in (False, True):
-        yield ("fused_attention", _attention_kernel, "tf32", {}, dict(HEAD_DIM=64, BLOCK_D=64, INPUT_PRECISION="tf32",
-                                                                      QKV_TF32=pre, O_TF32=pre, **streaming), None)
+        yield ("fused_attention", _attention_kernel, "tf32", streaming_options,
+               dict(HEAD_DIM=64, BLOCK_D=64, INPUT_PRECISION="tf32", QKV_TF32=pre, O_TF32=pre, **streaming), None)
     yield ("layer_norm", _layer_norm_kernel, "tf32", {"num_warps": 4}, dict(HAS_BIAS=True, RMS=False, HAS_ADD=False,
                                                                             NUM_PARTS=2, BLOCK_M=2, BLOCK_D=1024), None)
     # resize (uint8): the weights, torch's bicubic and Pillow's lanczos (float64 sine and cosine), and the passes:

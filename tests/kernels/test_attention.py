@@ -123,59 +123,50 @@ def test_one_pass_key_pieces(tokens, pieces):
 
 @pytest.fixture
 def tuned(monkeypatch):
-    """(keys, heads, queries) of each launch of the tuned streaming kernel. One pass runs where at most
-    ONE_PASS_WAVES programs an SM: here 4 SMs and 32-row query blocks, on any device, so 8 programs."""
+    """The tuning key of each launch of the tuned streaming kernel. One pass runs where at most ONE_PASS_WAVES
+    programs an SM: here 4 SMs and 32-row query blocks, on any device, so 8 programs."""
     monkeypatch.setattr(ATTENTION, "sm_count", lambda device: 4)
     monkeypatch.setattr(ATTENTION, "ONE_PASS_BLOCK_M", 32)
-    launches = []
-    run = ATTENTION._attention_kernel.run
-    monkeypatch.setattr(ATTENTION._attention_kernel, "run",
-                        lambda *args, **kwargs: launches.append((args[4], args[5], args[6])) or run(*args, **kwargs))
-    return launches
+    keys = []
+    pick = ATTENTION._TUNER.pick
+    monkeypatch.setattr(ATTENTION._TUNER, "pick", lambda key, *args: keys.append(key) or pick(key, *args))
+    return keys
+
+
+def sizes(batch, heads, queries, keys):
+    """The sizes a launch's tuning key starts with."""
+    return ATTENTION.tuning_sizes(batch, heads, queries, keys)
 
 
 def test_one_pass_only_for_short_launches(tuned):
     # One pass where T <= 256 and the launch is at most 8 programs; otherwise the tuned streaming kernel runs.
     for batch, tokens, heads in [(2, 17, 4), (3, 17, 3), (1, 257, 1), (1, 40, 4)]:   # 8, 9, 9 and 8 programs
         attend(*qkv(batch, tokens, heads, 32, torch.bfloat16))
-    assert tuned == [(17, 3, 17), (257, 1, 257)]
+    assert [key[:3] for key in tuned] == [sizes(3, 3, 17, 17), sizes(1, 1, 257, 257)]
 
 
 def test_one_pass_decided_by_key_length(tuned):
     # The key length bounds the scores a one-pass program holds; the query length sets the programs.
     for batch, queries, tokens in [(8, 1, 200), (9, 1, 17), (1, 1, 257), (4, 64, 17)]:   # 8, 9, 1 and 8 programs
         attend(*pool_qkv(batch, queries, tokens, 1, 32, torch.bfloat16, expanded=True))
-    assert tuned == [(17, 1, 1), (257, 1, 1)]
+    assert [key[:3] for key in tuned] == [sizes(9, 1, 1, 17), sizes(1, 1, 1, 257)]
 
 
-def test_tuned_per_batch_class(monkeypatch):
+def test_tuned_per_batch_class(tuned, monkeypatch):
     # The best tile at one image (few programs) is not the best at 256 (1.38x slower there on an H100),
-    # so the autotuner keys on B*H rounded up to a power of two, not on the sequence alone.
+    # so the tuning key holds B*H rounded up to a power of two, not the sequence alone.
     monkeypatch.setattr(ATTENTION, "ONE_PASS_WAVES", 0)
-    kernel = ATTENTION._attention_kernel
-    assert "batch_heads" in kernel.keys
-    seen = []
-    run = kernel.run
-    monkeypatch.setattr(kernel, "run",
-                        lambda *args, **kwargs: seen.append(kwargs["batch_heads"]) or run(*args, **kwargs))
     for batch, heads in ((1, 3), (5, 3), (2, 2)):
         attend(*qkv(batch, 17, heads, 32, torch.float32))
-    assert seen == [4, 16, 4]
+    assert [key[0] for key in tuned] == [4, 16, 4]
 
 
-def test_nearby_lengths_share_a_tuning_key(monkeypatch):
-    # An image size near a tuned one (197 -> 211 tokens) keys the autotuner as that one did; 226 tokens do not.
-    # The key: the autotuner's key arguments, all passed by name (the kernel gets the exact lengths).
+def test_nearby_lengths_share_a_tuning_key(tuned, monkeypatch):
+    # An image size near a tuned one (197 -> 211 tokens) keys the tuner as that one did; 226 tokens do not.
     monkeypatch.setattr(ATTENTION, "ONE_PASS_WAVES", 0)
-    kernel = ATTENTION._attention_kernel
-    assert not {"T_Q", "T_K"} & set(kernel.keys)
-    keys = []
-    run = kernel.run
-    monkeypatch.setattr(kernel, "run", lambda *args, **kwargs: keys.append(tuple(kwargs[name] for name in kernel.keys))
-                        or run(*args, **kwargs))
     for tokens in (197, 211, 226):
         attend(*qkv(1, tokens, 1, 32, torch.bfloat16))
-    assert keys[0] == keys[1] != keys[2]
+    assert tuned[0] == tuned[1] != tuned[2]
 
 
 @each_dtype

@@ -2,7 +2,11 @@
 
 import importlib
 import json
+import subprocess
+import sys
 import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -153,3 +157,38 @@ def test_linear_shares_a_pick_between_nearby_row_counts(kernel, monkeypatch):
         x = rand(rows, 40, dtype=torch.bfloat16)
         check(linear(x, w, b), lambda x, w, b: F.linear(x, w, b), x, w, b)
         assert timer.calls == timed, rows
+
+
+RANK = """
+import sys, time, pathlib
+from vit_triton.kernels.tuning import Config, Tuner
+rank, folder = int(sys.argv[1]), pathlib.Path(sys.argv[2])
+configs = [Config(64, 64, 64, 4, 3), Config(128, 128, 64, 8, 4)]
+timed = []
+
+def timer(fn):
+    timed.append(fn())
+    time.sleep(0.3)
+    return float(configs.index(timed[-1]) != rank)   # each process, timing alone, would pick its own
+
+(folder / f"ready{rank}").touch()
+while not (folder / "go").exists():
+    time.sleep(0.01)
+print(configs.index(Tuner("k", "source", timer).pick(("a",), configs, lambda c: c)), len(timed))
+"""
+
+
+def test_processes_tuning_together_share_one_pick(cache_dir):
+    # torchrun's ranks start together: one times the candidates and every other takes its pick, however its own
+    # timing would rank them (candidates that sum in another order give other roundings, and the ranks must
+    # compute what one GPU computes).
+    ranks = [subprocess.Popen([sys.executable, "-c", RANK, str(rank), str(cache_dir)], stdout=subprocess.PIPE,
+                              text=True, cwd=Path(__file__).parents[2]) for rank in (0, 1)]
+    deadline = time.monotonic() + 120
+    while not all((cache_dir / f"ready{rank}").exists() for rank in (0, 1)):
+        assert time.monotonic() < deadline and all(r.poll() is None for r in ranks), "a rank did not start"
+        time.sleep(0.05)
+    (cache_dir / "go").touch()
+    (pick0, timed0), (pick1, timed1) = (r.communicate(timeout=120)[0].split() for r in ranks)
+    assert pick0 == pick1
+    assert sorted([int(timed0), int(timed1)]) == [0, 2], "one rank times both candidates, the other none"

@@ -27,6 +27,7 @@ moved (q, k, v read, o written; a query expanded over the batch is read once).
 
 from __future__ import annotations
 
+from pathlib import Path
 
 import torch
 import triton
@@ -36,14 +37,21 @@ from .common import (
     INTERPRET, LOG2E, cast, check_device, check_dtype, check_float, check_shape, exp2, input_precision, mma,
     sm_count, pdl, start_next_kernel, to_tf32, tune, wait_for_previous_kernel,
 )
-from .tuning import size_bucket
+from .tuning import Config, Tuner, size_bucket
 
 TAIL_N = tl.constexpr(16)  # the smallest key block a 16-bit tensor-core product takes (k = 16)
-SMALLEST_BLOCK_M = 64      # of the configs below: the launch with the most programs
 ONE_PASS_MAX_T = 256       # one pass holds BLOCK_M x 256 fp32 scores at most
 ONE_PASS_WAVES = 2         # ... in launches of at most this many programs an SM
 # The one-pass launch: 64 query rows (one warpgroup's wgmma), 4 warps; 32 rows under the interpreter.
 ONE_PASS_BLOCK_M, ONE_PASS_WARPS = (32, 4) if INTERPRET else (64, 4)
+ONE_PASS = Config(ONE_PASS_BLOCK_M, TAIL_N.value, 0, ONE_PASS_WARPS, 1)
+# The streaming kernel's candidates: query rows, keys a step, (no K tile: the head dim is one), warps, stages.
+CANDIDATES = tune([Config(128, 64, 0, 8, 3), Config(128, 128, 0, 8, 2), Config(64, 64, 0, 4, 3),
+                   Config(128, 32, 0, 4, 3), Config(128, 32, 0, 4, 4), Config(64, 128, 0, 4, 2)],
+                  Config(32, 32, 0, 4, 1))
+SMALLEST_BLOCK_M = min(c.block_m for c in CANDIDATES)   # the launch with the most programs
+# The tuner's disk cache is keyed by this source: a change to the kernel or the candidates starts afresh.
+_TUNER = Tuner("attention", Path(__file__).read_text())
 
 
 @triton.jit
@@ -113,26 +121,11 @@ def _attend_once(q, k_base, v_base, T, sk_t, sv_t, qk_scale, offs_d, mask_d, acc
     return acc, l_i
 
 
-@triton.autotune(
-    configs=tune(
-        [
-            triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=3),
-            triton.Config({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=2),
-            triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=3),
-            triton.Config({"BLOCK_M": 128, "BLOCK_N": 32}, num_warps=4, num_stages=3),
-            triton.Config({"BLOCK_M": 128, "BLOCK_N": 32}, num_warps=4, num_stages=4),
-            triton.Config({"BLOCK_M": 64, "BLOCK_N": 128}, num_warps=4, num_stages=2),
-        ],
-        triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=4, num_stages=1),
-    ),
-    key=["tq_bucket", "tk_bucket", "HEAD_DIM", "INPUT_PRECISION", "QKV_TF32", "batch_heads"],
-)
-@triton.jit(do_not_specialize=["batch_heads", "tq_bucket", "tk_bucket"])
+@triton.jit
 def _attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr,
     T_K, H, T_Q, qk_scale,   # keys, queries
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h,
-    batch_heads, tq_bucket, tk_bucket,   # tuning keys only (tuning_sizes)
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, PDL: tl.constexpr,
     QKV_TF32: tl.constexpr, O_TF32: tl.constexpr,   # q, k, v hold tf32 values already; o stored rounded to tf32
     KEYS0: tl.constexpr, KEYS1: tl.constexpr, KEYS2: tl.constexpr,   # one pass over pieces of keys if KEYS0 > 0
@@ -220,40 +213,37 @@ def fused_attention(
     if not scale > 0:
         raise ValueError(f"scale must be positive, got {scale}")
 
+    flags = dict(HEAD_DIM=Dh, BLOCK_D=max(16, triton.next_power_of_2(Dh)), INPUT_PRECISION=precision,
+                 QKV_TF32=precision == "tf32" and tf32_input, O_TF32=precision == "tf32" and tf32_output,
+                 **pdl(q.device, B * H * triton.cdiv(Tq, SMALLEST_BLOCK_M)))
+
+    def launch(config: Config, keys: tuple[int, int, int] = (0, 0, 0)) -> None:
+        # One axis of programs, which allows 2^31 - 1 (axis 1 allows 65535).
+        _attention_kernel[(B * H * triton.cdiv(Tq, config.block_m),)](
+            q, k, v, out,
+            Tk, H, Tq, scale * LOG2E,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            out.stride(0), out.stride(1), out.stride(2),
+            **flags, **dict(zip(("KEYS0", "KEYS1", "KEYS2"), keys)), BLOCK_M=config.block_m,
+            BLOCK_N=config.block_n, num_warps=config.warps, num_stages=config.stages,
+        )
+
     # A short launch over at most ONE_PASS_MAX_T keys takes the one-pass path untuned.
-    programs = B * H * triton.cdiv(Tq, ONE_PASS_BLOCK_M)
-    if Tk <= ONE_PASS_MAX_T and programs <= ONE_PASS_WAVES * sm_count(q.device):
-        kernel = _attention_kernel.fn
-        launch = dict(zip(("KEYS0", "KEYS1", "KEYS2"), key_pieces(Tk)), BLOCK_M=ONE_PASS_BLOCK_M, BLOCK_N=TAIL_N,
-                      num_warps=ONE_PASS_WARPS, num_stages=1)
+    if Tk <= ONE_PASS_MAX_T and B * H * triton.cdiv(Tq, ONE_PASS_BLOCK_M) <= ONE_PASS_WAVES * sm_count(q.device):
+        launch(ONE_PASS, key_pieces(Tk))
     else:
-        kernel, launch = _attention_kernel, dict(KEYS0=0, KEYS1=0, KEYS2=0)
-
-    def grid(meta):
-        # One axis, which allows 2^31 - 1 programs (axis 1 allows 65535).
-        return (B * H * triton.cdiv(Tq, meta["BLOCK_M"]),)
-
-    kernel[grid](
-        q, k, v, out,
-        Tk, H, Tq, scale * LOG2E,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        **tuning_sizes(B, H, Tq, Tk),
-        HEAD_DIM=Dh, BLOCK_D=max(16, triton.next_power_of_2(Dh)),
-        INPUT_PRECISION=precision, QKV_TF32=precision == "tf32" and tf32_input,
-        O_TF32=precision == "tf32" and tf32_output, **pdl(q.device, B * H * triton.cdiv(Tq, SMALLEST_BLOCK_M)),
-        **launch,
-    )
+        key = (*tuning_sizes(B, H, Tq, Tk), Dh, precision, flags["QKV_TF32"], flags["O_TF32"])
+        launch(_TUNER.pick(key, CANDIDATES, launch, q.device))
     return out
 
 
-def tuning_sizes(B: int, H: int, Tq: int, Tk: int) -> dict[str, int]:
-    """The kernel's arguments that only key its tuning. The best tile depends on how many programs fill the GPU
-    (one image: 64-row tiles, every SM busy; 256 images: 128-row tiles, at 0.75x the time of 64-row ones), so
-    the key holds B*H's power of two as well as the sequences, in size_bucket: nearby lengths share one pick."""
-    return dict(batch_heads=triton.next_power_of_2(B * H), tq_bucket=size_bucket(Tq), tk_bucket=size_bucket(Tk))
+def tuning_sizes(B: int, H: int, Tq: int, Tk: int) -> tuple[int, int, int]:
+    """The sizes in the streaming kernel's tuning key: B*H's power of two, and the query and key lengths in
+    size_bucket (nearby lengths share one pick). The best tile depends on how many programs fill the GPU (one
+    image: 64-row tiles, every SM busy; 256 images: 128-row tiles, at 0.75x the time of 64-row ones)."""
+    return triton.next_power_of_2(B * H), size_bucket(Tq), size_bucket(Tk)
 
 
 def key_pieces(T: int) -> tuple[int, int, int]:

@@ -2,8 +2,8 @@
 
 Triton's autotuner cannot keep its choices on disk for a kernel whose arguments depend on the
 config (it refuses to cache configs with a pre_hook), and linear's do: its TMA descriptors are
-built on the host with the config's tile shape.
-So linear's launcher times its candidates itself, through this small tuner:
+built on the host with the config's tile shape. Nor does it share them between processes starting together.
+So linear's and attention's launchers time their candidates themselves, through this small tuner:
 
 - each candidate is launched and timed from CUDA-graph replays (graph_time), which times the GPU
   work alone: at a few hundred rows a launch costs more in Python than on the GPU, and host-timed
@@ -15,6 +15,9 @@ So linear's launcher times its candidates itself, through this small tuner:
 - the choice is kept per key in memory and in a JSON file under $VIT_TRITON_CACHE_DIR (default
   ~/.cache/vit-triton), one file per kernel source, candidate list, GPU and Triton version, so a
   second process starts without timing anything;
+- one process of a host tunes at a time (a lock file beside the choices), and a key another process chose
+  meanwhile is taken, not timed again: candidates that sum in another order give other roundings, so torchrun's
+  ranks, starting together, must share their picks to compute what one GPU computes;
 - inside a CUDA-graph capture nothing can be timed: an unseen key takes the first candidate
   (vit_triton.compile warms up before it captures, so its graphs hold tuned launches).
 
@@ -26,6 +29,7 @@ so a new image or batch size near a tuned one reuses its picks; the kernels stil
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import json
 import os
@@ -133,6 +137,40 @@ def cache_dir() -> Path:
     return Path(os.environ.get("VIT_TRITON_CACHE_DIR", Path.home() / ".cache" / "vit-triton"))
 
 
+class _HostLock:
+    """Held while a Tuner picks: one thread of the process (reentrant: a launch being timed may pick for another
+    key, as linear's split rows do) and one process of the host, through flock on cache_dir()/tuning.lock. Where
+    that file cannot be made (a read-only cache), the process tunes alone."""
+
+    def __init__(self) -> None:
+        self._thread_lock = threading.RLock()
+        self._depth = 0
+        self._file = None
+
+    def __enter__(self) -> None:
+        self._thread_lock.acquire()
+        if self._depth == 0:
+            try:
+                cache_dir().mkdir(parents=True, exist_ok=True)
+                self._file = open(cache_dir() / "tuning.lock", "a")  # noqa: SIM115 -- closed in __exit__
+                fcntl.flock(self._file, fcntl.LOCK_EX)
+            except OSError:
+                if self._file is not None:
+                    self._file.close()
+                self._file = None
+        self._depth += 1
+
+    def __exit__(self, *exc) -> None:
+        self._depth -= 1
+        if self._depth == 0 and self._file is not None:
+            self._file.close()   # which releases the flock
+            self._file = None
+        self._thread_lock.release()
+
+
+_HOST_LOCK = _HostLock()
+
+
 class Tuner:
     """Picks the fastest Config per key for one kernel; `source` is the kernel's source text (a change
     to it starts a new cache file); `timer(fn)` gives fn's time (default: CUDA-graph replays, ms)."""
@@ -142,7 +180,6 @@ class Tuner:
         self._timer = timer or graph_time
         self._source_hash = hashlib.sha256(source.encode()).hexdigest()[:16]
         self._picks: dict[tuple, Config] = {}
-        self._lock = threading.RLock()   # a launch being timed may pick for another key (linear's split rows)
 
     def pick(self, key: tuple, configs: Sequence[Config], launch: Callable[[Config], object],
              device: torch.device | None = None) -> Config:
@@ -154,7 +191,7 @@ class Tuner:
         pick = self._picks.get(memo)   # the common case, on every launch: no lock, no file
         if pick is not None:
             return pick
-        with self._lock:
+        with _HOST_LOCK:
             if memo in self._picks:
                 return self._picks[memo]
             path = self._file(configs, device)

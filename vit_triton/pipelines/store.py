@@ -299,7 +299,9 @@ class ChunkStore:
             for table in tables():
                 if writer is None:
                     schema = table.schema.with_metadata({_META_KEY: json.dumps(meta).encode()})
-                    writer = pq.ParquetWriter(f, schema)
+                    # No dictionary or statistics for the features: float vectors repeat nothing and are not
+                    # filtered on, and encoding them took 45% of the merge (200,000 ViT-B rows: 2.2 s, 1.2 s without).
+                    writer = pq.ParquetWriter(f, schema, use_dictionary=False, write_statistics=["path"])
                 writer.write_table(table.cast(writer.schema))
             writer.close()
 
