@@ -121,7 +121,7 @@ several GPUs: torchrun --nproc-per-node N -m vit_triton embed INPUT --model M --
         help="write one embedding per image of a folder, list, glob or tar shards: resumable, on one or several GPUs",
         description=textwrap.fill(
             "Embed every image of INPUT with a checkpoint: decode and preprocess in DataLoader worker processes "
-            "while the GPU runs, write finished chunks atomically, merge them into OUT at the end. Files that "
+            "while the GPU runs, write finished chunks atomically, merge them into OUT as they come. Files that "
             "cannot be read are skipped and listed with the reason; the run never stops for one. Killed (even "
             "with kill -9), the same command continues where it stopped, without duplicates or gaps; run again "
             "after it finished, it embeds only the files new in INPUT and adds their rows. Images are turned "

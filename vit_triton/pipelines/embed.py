@@ -11,7 +11,8 @@ shard, which one worker reads whole), so a batch holds the same images however t
 or a torchrun run writes what one uninterrupted process would.
 
 Under torchrun (WORLD_SIZE > 1) rank 0 locks the output for the whole run, lists the inputs and
-chooses the chunks still to do; rank r takes every world-th of them; rank 0 merges when all are done.
+chooses the chunks still to do; rank r takes every world-th of them; rank 0 merges them into the output as
+they are done, in order, on a thread (store.py), and the last ones when all are.
 The process group (gloo) carries only these small messages, never tensors.
 """
 
@@ -304,6 +305,8 @@ def _embed(opts: EmbedOptions, rank: int, world: int, local_rank: int, log) -> S
             log(f"vit-triton embed: resuming {opts.output}: {total - len(pending)} of {total} chunks already done")
 
         mine = {k: store.chunk_range(k, inputs) for k in pending[rank::world]}
+        # Rank 0 merges the chunks as they come; stopped, its partial output removed, if the run ends without finishing.
+        merge = held.enter_context(store.merging(inputs)) if rank == 0 else None
         start = time.perf_counter()
         counts = _run(model, pre, inputs, mine, store, opts, device, batch_size, rank, world, decode == "gpu")
         processed, gpu_decoded, cpu_decoded = (_sum(c, world) for c in counts)
@@ -313,7 +316,7 @@ def _embed(opts: EmbedOptions, rank: int, world: int, local_rank: int, log) -> S
             dist.barrier()
         if rank != 0:
             return None
-        summary = store.finalize(inputs)
+        summary = merge.finish()
         return Summary(summary.output, summary.done, summary.skipped, summary.skipped_file, processed,
                        time.perf_counter() - start, gpu_decoded, cpu_decoded)
 

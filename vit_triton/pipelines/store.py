@@ -1,5 +1,5 @@
 """The embed command's output: chunks written atomically beside the output, with a manifest, merged
-into one file at the end. This is what makes a run resumable after any kill, kill -9 included.
+into one file in input order. This is what makes a run resumable after any kill, kill -9 included.
 
 While running, for OUT = embeddings.parquet (or embeddings.npy), the run holds a lock on OUT.lock
 (one run at a time into an output; the kernel releases it when the process dies), and the work
@@ -10,11 +10,15 @@ directory OUT.partial/ holds
   chunk-000012-0000.npz part 0 of chunk 12's rows (about C a part): name, embedding [n, D] (, tokens [n, T, D])
   chunk-000012.json     its done marker, written after its parts: rows, parts, and the skipped (name, reason)
   base.*                when adding new inputs to a finished output: its files as they were (hard links)
+  OUT.tmp-PID           Parquet: the output being merged (by rank 0, a part at a time, as chunks get their markers)
 
 Chunk 12 is image files 12*C .. 13*C-1 (C = chunk_size), or tar shard 12: its images are found as it is
 read, so a chunk holds as many rows as it turns out to. Every file goes to a temporary name, is flushed to
 disk and renamed, so a chunk is either complete or absent; a resumed run redoes exactly the chunks without a
-marker. The finished output is
+marker, and the merge from the start (a killed run's partial output is a temporary file, removed). A Parquet
+output is merged while the run embeds: a thread of rank 0 appends each chunk once it and those before it are
+done, so that the end has only the last chunks left; a .npy output is merged at the end (its size must be known
+first). The finished output, renamed into place once complete, is
 
   embeddings.parquet    columns path (string), embedding (fixed-size list), tokens (optional)
   or embeddings.npy [N, D] + embeddings.paths.json (its paths, row for row) (+ embeddings.tokens.npy)
@@ -36,7 +40,8 @@ import io
 import json
 import os
 import shutil
-from contextlib import contextmanager
+import threading
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -180,7 +185,7 @@ class ChunkStore:
         shutil.rmtree(self.work, ignore_errors=True)
         self.work.mkdir(parents=True)
         if base:
-            # The finished output as it is now, for finalize to merge (and again after a kill while merging).
+            # The finished output as it is now, for the merge to read (and again after a kill while merging).
             for path in (self.output, self.tokens_file, self.paths_file, self.skipped_file):
                 if path.is_file():
                     _snapshot(path, self._base(path))
@@ -246,87 +251,15 @@ class ChunkStore:
         write_atomic(self._marker(chunk), lambda f: f.write(_json_bytes(
             {"rows": rows, "parts": parts, "skipped": skipped})))
 
+    def merging(self, inputs: list[str]) -> Merge:
+        """Rank 0's merge of the chunks, started: a Parquet output takes each chunk as it is done, in order, on a
+        thread of its own while the run embeds. Use it as a context manager around the run and call its finish()."""
+        return Merge(self, inputs).start()
+
     def finalize(self, inputs: list[str]) -> Summary:
-        """Merge the chunks (after the finished output's rows, when adding to it) into the output, write the
-        skipped-files list, remove the work directory."""
-        chunks = range(self.num_chunks(inputs))
-        missing = [k for k in chunks if not self._marker(k).is_file()]
-        if missing:
-            raise RuntimeError(f"cannot finish {self.output}: chunks {missing[:10]} are not done")
-        markers = [json.loads(self._marker(k).read_text()) for k in chunks]
-        parts = [self._part(k, p) for k, m in zip(chunks, markers) for p in range(m["parts"])]
-        base = self._base(self._done_file).is_file()
-        old = self.final_metadata(base=True) if base else {"done": 0}
-        rows = old["done"] + sum(m["rows"] for m in markers)
-        skipped = (_read_tsv(self._base(self.skipped_file)) if base else []) + [
-            (name, reason) for m in markers for name, reason in m["skipped"]]
-        write_atomic(self.skipped_file, lambda f: f.write(_tsv(skipped)))
-        meta = {"settings": self.settings, "done": rows, "skipped": len(skipped)}
-        if is_shard(inputs[0]):  # what a later run compares INPUT with: its rows name members, not shards
-            meta["shards"] = old.get("shards", []) + inputs
-        if self.output.suffix == ".parquet":
-            self._write_parquet(parts, meta, base)
-        else:
-            self._write_npy(parts, rows, meta, base)
-        shutil.rmtree(self.work)
-        return Summary(self.output, rows, len(skipped), self.skipped_file)
-
-    @staticmethod
-    def _part_arrays(parts: list[Path]):
-        for part in parts:
-            with np.load(part) as data:
-                yield {name: data[name] for name in data.files}
-
-    def _write_parquet(self, parts: list[Path], meta: dict, base: bool) -> None:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        def tables():
-            if base:
-                with pq.ParquetFile(self._base(self.output)) as old:
-                    yield from (old.read_row_group(g) for g in range(old.num_row_groups))
-            for arrays in self._part_arrays(parts):
-                columns = {"path": pa.array(arrays["name"].tolist(), pa.string()),
-                           "embedding": _fixed_size_lists(arrays["embedding"])}
-                if "tokens" in arrays:
-                    columns["tokens"] = _fixed_size_lists(arrays["tokens"])
-                yield pa.table(columns)
-
-        writer = None
-
-        def write(f) -> None:
-            nonlocal writer
-            for table in tables():
-                if writer is None:
-                    schema = table.schema.with_metadata({_META_KEY: json.dumps(meta).encode()})
-                    # No dictionary or statistics for the features: float vectors repeat nothing and are not
-                    # filtered on, and encoding them took 45% of the merge (200,000 ViT-B rows: 2.2 s, 1.2 s without).
-                    writer = pq.ParquetWriter(f, schema, use_dictionary=False, write_statistics=["path"])
-                writer.write_table(table.cast(writer.schema))
-            writer.close()
-
-        write_atomic(self.output, write)
-
-    def _write_npy(self, parts: list[Path], rows: int, meta: dict, base: bool) -> None:
-        first = next(self._part_arrays(parts[:1]))
-        targets = {"embedding": self.output, "tokens": self.tokens_file}
-        # The paths file says the output is complete: gone first (a finished output's, when adding to it), back last.
-        self.paths_file.unlink(missing_ok=True)
-        for name in [n for n in ("embedding", "tokens") if n in first]:
-            shape, dtype = first[name].shape[1:], first[name].dtype
-            tmp = targets[name].with_name(targets[name].name + f".tmp-{os.getpid()}")
-            out = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(rows, *shape))
-            bases = [np.load(self._base(targets[name]), mmap_mode="r")] if base else []
-            row = 0
-            for array in [*bases, *(arrays[name] for arrays in self._part_arrays(parts))]:
-                out[row:row + len(array)] = array
-                row += len(array)
-            out.flush()
-            del out
-            os.replace(tmp, targets[name])
-        paths = json.loads(self._base(self.paths_file).read_text())["paths"] if base else []
-        paths += [name for arrays in self._part_arrays(parts) for name in arrays["name"].tolist()]
-        write_atomic(self.paths_file, lambda f: f.write(_json_bytes({**meta, "paths": paths})))
+        """Merge every chunk into the output at once (see Merge.finish); all must be done."""
+        with Merge(self, inputs) as merge:
+            return merge.finish()
 
     # -- reading a finished output --
 
@@ -365,6 +298,187 @@ class ChunkStore:
     def finished_summary(self) -> Summary:
         meta = self.final_metadata()
         return Summary(self.output, meta["done"], meta["skipped"], self.skipped_file)
+
+
+_POLL_SECONDS = 0.25  # how often the merging thread looks for the next chunk's marker
+
+
+class Merge:
+    """Rank 0's merge of the chunks into the output, in input order, after the finished output's rows when adding to
+    it. For Parquet, start() runs a thread that appends each chunk's rows once its marker is there, so that finish()
+    has only the chunks not merged yet left to do; a .npy output is merged by finish() alone (its memmap needs the
+    row count up front). Left without finish() (a context manager), it stops the thread and removes the partial file;
+    the chunks stay for the next run."""
+
+    def __init__(self, store: ChunkStore, inputs: list[str]) -> None:
+        self.store, self.inputs = store, inputs
+        self.num_chunks = store.num_chunks(inputs)
+        self.markers: list[dict] = []  # those of the chunks merged so far, in order
+        self._base = store._base(store._done_file).is_file()
+        self._parquet = store.output.suffix == ".parquet"
+        # In the work directory, named as a temporary file: a later run removes it, whatever killed this one.
+        self._partial = store.work / f"{store.output.name}.tmp-{os.getpid()}"
+        self._writer = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._error: Exception | None = None
+
+    def __enter__(self) -> Merge:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def start(self) -> Merge:
+        if self._parquet:
+            self._thread = threading.Thread(target=self._follow, name="vit-triton merge", daemon=True)
+            self._thread.start()
+        return self
+
+    def _follow(self) -> None:
+        """The thread: each chunk once its marker is there, in order, until all are merged or stop is set. Most of
+        its time is in file reads and pyarrow's writing, which release the GIL. It keeps the run's CPU priority: a
+        nice value even 3 higher let it fall behind on busy CPUs (to 37 of 49 chunks) and left the end its work."""
+        try:
+            while len(self.markers) < self.num_chunks and not self._stop.is_set():
+                if self.store._marker(len(self.markers)).is_file():
+                    self._take(len(self.markers))
+                else:
+                    self._stop.wait(_POLL_SECONDS)
+        except Exception as e:  # finish() raises it
+            self._error = e
+
+    def _halt(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def close(self) -> None:
+        """Stop the thread; unless finish() put the output in place, remove the partial file."""
+        self._halt()
+        if self._writer is not None:
+            with suppress(Exception):  # a file being discarded: its errors would only hide what stopped the run
+                self._writer.close()
+        self._partial.unlink(missing_ok=True)
+
+    def finish(self) -> Summary:
+        """Stop the thread (raising what it raised), merge the chunks it did not, write the skipped-files list, put
+        the output in place, remove the work directory. Every chunk must be done."""
+        self._halt()
+        if self._error is not None:
+            raise self._error
+        store = self.store
+        missing = [k for k in range(self.num_chunks) if not store._marker(k).is_file()]
+        if missing:
+            raise RuntimeError(f"cannot finish {store.output}: chunks {missing[:10]} are not done")
+        for k in range(len(self.markers), self.num_chunks):
+            self._take(k)
+        old = store.final_metadata(base=True) if self._base else {"done": 0}
+        rows = old["done"] + sum(m["rows"] for m in self.markers)
+        skipped = (_read_tsv(store._base(store.skipped_file)) if self._base else []) + [
+            (name, reason) for m in self.markers for name, reason in m["skipped"]]
+        write_atomic(store.skipped_file, lambda f: f.write(_tsv(skipped)))
+        meta = {"settings": store.settings, "done": rows, "skipped": len(skipped)}
+        if is_shard(self.inputs[0]):  # what a later run compares INPUT with: its rows name members, not shards
+            meta["shards"] = old.get("shards", []) + self.inputs
+        if self._parquet:
+            self._close_parquet(meta)
+        else:
+            self._write_npy(rows, meta)
+        shutil.rmtree(store.work)
+        return Summary(store.output, rows, len(skipped), store.skipped_file)
+
+    def _parts(self, chunk: int, marker: dict) -> list[Path]:
+        return [self.store._part(chunk, p) for p in range(marker["parts"])]
+
+    def _take(self, chunk: int) -> None:
+        """Merge the next chunk: read its marker and, for Parquet, write its parts' rows (after the finished
+        output's row groups, for the first)."""
+        marker = json.loads(self.store._marker(chunk).read_text())
+        if self._parquet:
+            if chunk == 0 and self._base:
+                import pyarrow.parquet as pq
+
+                with pq.ParquetFile(self.store._base(self.store.output)) as old:
+                    for g in range(old.num_row_groups):
+                        self._write(old.read_row_group(g))
+            for arrays in _part_arrays(self._parts(chunk, marker)):
+                self._write(_row_group(arrays))
+        self.markers.append(marker)
+
+    def _write(self, table) -> None:
+        if self._writer is None:
+            import pyarrow.parquet as pq
+
+            # No dictionary or statistics for the features: float vectors repeat nothing and are not filtered on,
+            # and encoding them took 45% of the merge (200,000 ViT-B rows: 2.2 s, 1.2 s without).
+            self._writer = pq.ParquetWriter(str(self._partial), table.schema.remove_metadata(),
+                                            use_dictionary=False, write_statistics=["path"])
+        self._writer.write_table(table.cast(self._writer.schema))
+
+    def _close_parquet(self, meta: dict) -> None:
+        """Close the partial file with `meta` in its schema, flushed to disk, and rename it onto the output.
+        ParquetWriter takes its schema's metadata when it opens (add_key_value_metadata, pyarrow 13+, adds to the
+        footer but not to the schema pq.read_schema gives): the footer it wrote is replaced by one of the same row
+        groups and the schema with `meta`, which gives the bytes a writer given `meta` from the start writes."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        self._writer.close()
+        empty = pa.BufferOutputStream()  # a file without rows, for its footer
+        pq.write_metadata(self._writer.schema.with_metadata({_META_KEY: json.dumps(meta).encode()}), empty)
+        footer = pq.read_metadata(pa.BufferReader(empty.getvalue()))
+        footer.append_row_groups(pq.read_metadata(str(self._partial)))
+        tail = pa.BufferOutputStream()
+        footer.write_metadata_file(tail)  # PAR1, the footer, its length (4 bytes), PAR1
+        with open(self._partial, "r+b") as f:
+            end = f.seek(-8, os.SEEK_END)  # a Parquet file ends with the same three
+            f.truncate(end - int.from_bytes(f.read(4), "little"))
+            f.seek(0, os.SEEK_END)
+            f.write(tail.getvalue()[4:])
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(self._partial, self.store.output)
+
+    def _write_npy(self, rows: int, meta: dict) -> None:
+        store = self.store
+        parts = [part for k, m in enumerate(self.markers) for part in self._parts(k, m)]
+        first = next(_part_arrays(parts[:1]))
+        targets = {"embedding": store.output, "tokens": store.tokens_file}
+        # The paths file says the output is complete: gone first (a finished output's, when adding to it), back last.
+        store.paths_file.unlink(missing_ok=True)
+        for name in [n for n in ("embedding", "tokens") if n in first]:
+            shape, dtype = first[name].shape[1:], first[name].dtype
+            tmp = targets[name].with_name(targets[name].name + f".tmp-{os.getpid()}")
+            out = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(rows, *shape))
+            bases = [np.load(store._base(targets[name]), mmap_mode="r")] if self._base else []
+            row = 0
+            for array in [*bases, *(arrays[name] for arrays in _part_arrays(parts))]:
+                out[row:row + len(array)] = array
+                row += len(array)
+            out.flush()
+            del out
+            os.replace(tmp, targets[name])
+        paths = json.loads(store._base(store.paths_file).read_text())["paths"] if self._base else []
+        paths += [name for arrays in _part_arrays(parts) for name in arrays["name"].tolist()]
+        write_atomic(store.paths_file, lambda f: f.write(_json_bytes({**meta, "paths": paths})))
+
+
+def _part_arrays(parts: list[Path]):
+    for part in parts:
+        with np.load(part) as data:
+            yield {name: data[name] for name in data.files}
+
+
+def _row_group(arrays: dict):
+    """A part's rows as a table: path, embedding (, tokens)."""
+    import pyarrow as pa
+
+    columns = {"path": pa.array(arrays["name"].tolist(), pa.string()),
+               "embedding": _fixed_size_lists(arrays["embedding"])}
+    if "tokens" in arrays:
+        columns["tokens"] = _fixed_size_lists(arrays["tokens"])
+    return pa.table(columns)
 
 
 def _tsv(rows: list[tuple[str, str]]) -> bytes:
