@@ -446,7 +446,8 @@ def _store_run(store: ChunkStore, inputs: list[str]) -> None:
         rows = store.chunk_range(k, inputs)
         store.write_part(k, 0, [inputs[i] for i in rows], np.array([[int(inputs[i])] for i in rows]), None)
         store.finish_chunk(k, 1, len(rows), [])
-    store.finalize(inputs)
+    with store.merging(inputs) as merge:
+        merge.finish()
 
 
 def test_an_output_of_image_files_is_not_added_to_from_shards(tmp_path):

@@ -256,11 +256,6 @@ class ChunkStore:
         thread of its own while the run embeds. Use it as a context manager around the run and call its finish()."""
         return Merge(self, inputs).start()
 
-    def finalize(self, inputs: list[str]) -> Summary:
-        """Merge every chunk into the output at once (see Merge.finish); all must be done."""
-        with Merge(self, inputs) as merge:
-            return merge.finish()
-
     # -- reading a finished output --
 
     def final_metadata(self, base: bool = False) -> dict | None:
