@@ -33,6 +33,7 @@ from vit_triton.kernels.patch_embed import _patch_embed_kernel  # noqa: E402
 from vit_triton.kernels.resize import (  # noqa: E402
     BLOCK, FILTERS, POSITIONS, SUPPORT, _resize_pass_kernel, _resize_weights_kernel,
 )
+from vit_triton.kernels.chroma import MIN_IMAGES, TILE, _codes_kernel, _upsample_kernel  # noqa: E402
 from vit_triton.kernels.tf32 import _round_to_tf32_kernel  # noqa: E402
 from vit_triton.kernels.token_mean import _token_mean_kernel  # noqa: E402
 
@@ -44,7 +45,7 @@ FLOAT_ARGS = {"eps", "qk_scale", "scale"}
 ALIGNED_INTS = re.compile(r"[NKD]|stride_\w+|s[qkvo]_[bth]")
 LINEAR_OUTPUT = "y"   # the TMA linear kernel's output: a descriptor, or a pointer
 INDEX_POINTERS = {"table_ptr": "*i64", "images_ptr": "*i32", "first_ptr": "*i32", "taps_ptr": "*i32",   # resize's
-                  "meta_ptr": "*i32"}
+                  "meta_ptr": "*i32", "codes_ptr": "*i32", "counts_ptr": "*i64"}   # and chroma's
 # Global loads, stores, copies and atomics in PTX (not the L2 prefetch, an inline asm block of its own).
 MEMORY_OP = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:(?:ld|st)\.global|cp\.async|atom\.|red\.)", re.M)
 
@@ -187,6 +188,9 @@ def cases():
     for axis, first in itertools.product((1, 0), (True, False)):
         yield (f"resize_pass-{'rows' if axis else 'columns'}-{'first' if first else 'second'}", _resize_pass_kernel,
                "u8", {"num_warps": 4}, dict(AXIS=axis, FIRST=first, BLOCK_R=BLOCK, BLOCK_C=BLOCK), None)
+    # chroma (uint8): each block's chroma read back, then the pixels upsampled.
+    for name, kernel in (("chroma_codes", _codes_kernel), ("chroma_upsample", _upsample_kernel)):
+        yield name, kernel, "u8", {"num_warps": 4}, dict(IMAGES=MIN_IMAGES, TILE_R=TILE[0], TILE_C=TILE[1]), None
 
 def main() -> None:
     for name, kernel, dtype, options, constexprs, descriptors in cases():

@@ -9,7 +9,7 @@ import torch
 
 from tests.kernels.checks import raises_value_error
 from tests.numerics import DEVICE
-from vit_triton.kernels.chroma import fancy_upsample
+from vit_triton.kernels.chroma import TILE, fancy_upsample
 
 ONE_HALF = 1 << 15
 X = np.arange(256) - 128
@@ -19,6 +19,11 @@ CB_G = -22554 * X + ONE_HALF
 CR_G = -46802 * X
 
 SIZES = [(23, 37, (2, 2)), (9, 30, (1, 2)), (40, 17, (2, 2)), (1, 5, (2, 2)), (31, 3, (1, 2))]   # odd sizes
+# A program takes TILE = (R, C) chroma blocks of one image: images of several tiles down and across, of exactly one
+# and of one pixel, whose tiles follow each other in the grid; the largest first (or, reversed, last).
+R, C = TILE
+MIXED = [(2 * R + 5, 2 * C + 5, (2, 2)), (1, 1, (2, 2)), (2 * R + 1, 2 * C + 2, (1, 2)), (2, 3, (1, 2)),
+         (2 * R + 3, 2 * C + 1, (2, 2)), (R, 2 * C, (1, 2))]
 
 
 def to_rgb(y, cb, cr):
@@ -62,13 +67,19 @@ def run(images: list[np.ndarray], blocks) -> tuple[list[np.ndarray], list[list[i
     return [out[o:o + i.size].reshape(i.shape) for o, i in zip(offsets, images)], counts
 
 
-def test_repeated_chroma_is_upsampled_as_libjpeg_turbo_does():
-    # Values no conversion clamps (luma 60-195, chroma 100-156): every block's chroma can be read back.
-    made = [planes(seed, h, w, block, 60, 195, 100, 156) for seed, (h, w, block) in enumerate(SIZES)]
-    blocks = [block for _, _, block in SIZES]
-    images = [to_rgb(y, repeated(cb, b, *y.shape), repeated(cr, b, *y.shape)) for (y, cb, cr), b in zip(made, blocks)]
+def consistent(seed: int, height: int, width: int, block) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+    """nvJPEG's RGB of values no conversion clamps (luma 60-195, chroma 100-156), and its (Y, Cb, Cr) planes."""
+    y, cb, cr = made = planes(seed, height, width, block, 60, 195, 100, 156)
+    return to_rgb(y, repeated(cb, block, height, width), repeated(cr, block, height, width)), made
+
+
+@pytest.mark.parametrize("sizes", [SIZES, MIXED, MIXED[::-1]], ids=["small", "largest-first", "largest-last"])
+def test_repeated_chroma_is_upsampled_as_libjpeg_turbo_does(sizes):
+    # Every block's chroma can be read back.
+    images, made = zip(*(consistent(seed, h, w, block) for seed, (h, w, block) in enumerate(sizes)))
+    blocks = [block for _, _, block in sizes]
     out, counts = run(images, blocks)
-    assert counts == [[0, 0]] * len(SIZES)
+    assert counts == [[0, 0]] * len(sizes)
     for got, (y, cb, cr), b in zip(out, made, blocks):
         np.testing.assert_array_equal(got, to_rgb(y, fancy(cb, b, *y.shape), fancy(cr, b, *y.shape)))
 
@@ -76,7 +87,10 @@ def test_repeated_chroma_is_upsampled_as_libjpeg_turbo_does():
 def test_clamped_blocks_are_counted_and_everything_they_do_not_touch_is_exact():
     y, cb, cr = planes(7, 26, 33, (2, 2), 0, 255, 0, 255)   # full range: many pixels clamp
     image = to_rgb(y, repeated(cb, (2, 2), 26, 33), repeated(cr, (2, 2), 26, 33))
-    [got], [[unknown, inconsistent]] = run([image], [(2, 2)])
+    # Between two images (of several tiles) with no unknown blocks: the counts go to each program's image.
+    before, after = consistent(1, 3 * R, 2 * C + 9, (2, 2))[0], consistent(2, 5, 7, (1, 2))[0]
+    [_, got, _], [first, [unknown, inconsistent], last] = run([before, image, after], [(2, 2), (2, 2), (1, 2)])
+    assert first == last == [0, 0]
     free = ((image > 0) & (image < 255)).all(0)
     known = np.pad(free, ((0, 0), (0, 1))).reshape(13, 2, 17, 2).any((1, 3))   # a block with an unclamped pixel
     assert inconsistent == 0 and unknown == (~known).sum() > 0
@@ -96,8 +110,8 @@ def test_clamped_blocks_are_counted_and_everything_they_do_not_touch_is_exact():
 def test_chroma_that_was_not_repeated_is_reported():
     y, cb, cr = planes(8, 18, 21, (2, 2), 60, 195, 100, 156)
     already = to_rgb(y, fancy(cb, (2, 2), 18, 21), fancy(cr, (2, 2), 18, 21))   # libjpeg-turbo's own pixels
-    _, [[unknown, inconsistent]] = run([already], [(2, 2)])
-    assert unknown == 0 and inconsistent > 0
+    _, [first, [unknown, inconsistent]] = run([consistent(9, 7, 5, (1, 2))[0], already], [(1, 2), (2, 2)])
+    assert first == [0, 0] and unknown == 0 and inconsistent > 0
 
 
 @pytest.mark.parametrize("table, message", [
