@@ -41,6 +41,7 @@ from embed_throughput import Sampler, make_checkpoint, make_images, read_all  # 
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = {"vit-b": "vit_base_patch16_224", "dinov2-l": "vit_large_patch14_dinov2"}
+CHUNK, BATCH = 4096, 256   # embed's default --chunk-size and, on a GPU, --batch-size
 _DONE = re.compile(r"this run: (\d+) images in ([\d.]+) s.*decoded (\d+) on the GPU and (\d+) on the CPU")
 
 
@@ -78,10 +79,10 @@ def run(n: int, checkpoint: Path, inputs: Path, output: Path, decode: str, worke
         raise RuntimeError(f"embed with {n} GPU(s) failed:\n{stderr[-4000:]}")
     images, seconds, on_gpu, on_cpu = _DONE.search(stdout).groups()
     rate = int(images) / float(seconds)
-    total, chunk = len(inputs.read_text().split()), 4096
+    total = len(inputs.read_text().split())
     steady = []
     for rank in range(n):
-        times = sorted((t, min(chunk, total - k * chunk)) for k, t in ended.items() if k % n == rank)
+        times = sorted((t, min(CHUNK, total - k * CHUNK)) for k, t in ended.items() if k % n == rank)
         if len(times) > 1:
             steady.append(sum(size for _, size in times[1:]) / (times[-1][0] - times[0][0]))
     return {"gpus": n, "workers_per_gpu": workers if workers is not None else (os.cpu_count() or 1) // n - 1,
@@ -103,7 +104,7 @@ def difference(table, reference) -> dict:
             for t in (table, reference))
     rows = np.flatnonzero((a != b).any(1))
     return {"same_paths": True, "rows_differing": len(rows), "max_abs_difference": float(np.abs(a - b).max()),
-            "chunks_differing": sorted({int(r) // 4096 for r in rows})}
+            "chunks_differing": sorted({int(r) // CHUNK for r in rows})}
 
 
 def _children(pid: int) -> list[int]:
@@ -196,7 +197,7 @@ def main() -> int:
         inputs.write_text("\n".join(paths[:count]) + "\n")
         warm = root / f"{model}-warm.txt"
         # full batches and the short one the last chunk ends with: every shape the timed runs meet
-        warm.write_text("\n".join(paths[:3 * 256 + count % 4096 % 256]) + "\n")
+        warm.write_text("\n".join(paths[:3 * BATCH + count % CHUNK % BATCH]) + "\n")
         for n in sorted({1, max(gpus)}):  # compile and tune before anything is timed
             run(n, checkpoint, warm, root / f"{model}-warm-{n}.parquet", args.decode)
         runs: dict[str, dict] = {}
@@ -206,7 +207,9 @@ def main() -> int:
         for name, n, workers in plan + [(f"{model}-{n}", n, None) for n in gpus if n > 1]:
             r = runs[name] = run(n, checkpoint, inputs, root / f"{name}.parquet", args.decode, workers)
             one, same = runs[f"{model}-1"], runs.get(f"{model}-1-share", runs[f"{model}-1"])
-            table, reference = (pq.read_table(root / f"{m}.parquet") for m in (name, f"{model}-1"))
+            table = pq.read_table(root / f"{name}.parquet")
+            if name == f"{model}-1":   # the first run: the output every other one must equal
+                reference = table
             r["output_equals_one_gpu"] = table.equals(reference)
             if not r["output_equals_one_gpu"]:
                 r["difference"] = difference(table, reference)
@@ -221,7 +224,7 @@ def main() -> int:
             killed = kill_and_resume(max(gpus), checkpoint, inputs, root / f"{model}-killed.parquet",
                                      args.decode)
             table = pq.read_table(root / f"{model}-killed.parquet")
-            killed["output_equals_one_gpu"] = table.equals(pq.read_table(root / f"{model}-1.parquet"))
+            killed["output_equals_one_gpu"] = table.equals(reference)
             killed["rows"], killed["distinct_paths"] = table.num_rows, len(set(table.column("path").to_pylist()))
             ok &= killed["output_equals_one_gpu"] and killed["rows"] == killed["distinct_paths"] == count
             print(json.dumps(killed), flush=True)
