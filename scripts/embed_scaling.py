@@ -8,12 +8,12 @@ of every rank's chunks into one file included), and steady (from the times the c
 also runs with the share of the CPUs one rank gets at the largest N, so that a shortfall can be put on the
 decoding or on the GPUs. Every run's output must equal the one-GPU output row for row (where one does not, the
 rows, the largest difference and the chunks that differ are reported). Then a run at the largest N is killed
-(kill -9 of its last rank, once some chunks are written) and the same command run again: its output must be
-complete and equal too.
+(kill -9 of its last rank, once some chunks are written) and the same command run again, on the first
+--kill-chunks chunks' paths: its output must be complete and equal to the one-GPU output's first rows.
 
     python scripts/embed_scaling.py [--gpus 1,2] [--models vit-b,dinov2-l] [--num-images 150000,24000]
-                                    [--distinct 20000] [--decode cpu|gpu] [--no-share] [--no-kill]
-                                    [--json out.json] [--dir DIR]
+                                    [--distinct 20000] [--chunk-size 4096,1024] [--decode cpu|gpu] [--no-share]
+                                    [--no-kill] [--kill-chunks 24] [--json out.json] [--dir DIR]
 
 The folder holds --distinct generated JPEGs, each linked under several names up to --num-images (generating
 150,000 distinct photos would take longer than embedding them; decoding a linked file costs the same). Needs
@@ -45,11 +45,11 @@ CHUNK, BATCH = 4096, 256   # embed's default --chunk-size and, on a GPU, --batch
 _DONE = re.compile(r"this run: (\d+) images in ([\d.]+) s.*decoded (\d+) on the GPU and (\d+) on the CPU")
 
 
-def _command(n: int, checkpoint: Path, inputs: Path, output: Path, workers: int | None, decode: str,
+def _command(n: int, checkpoint: Path, inputs: Path, output: Path, workers: int | None, decode: str, chunk: int,
              overwrite: bool = True) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
            "-m", "vit_triton", "embed", str(inputs), "--model", str(checkpoint), "--output", str(output),
-           "--no-progress", "--decode", decode] + (["--overwrite"] if overwrite else [])
+           "--no-progress", "--decode", decode, "--chunk-size", str(chunk)] + (["--overwrite"] if overwrite else [])
     return cmd + ([] if workers is None else ["--num-workers", str(workers)])
 
 
@@ -57,15 +57,18 @@ def _env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
 
 
-def run(n: int, checkpoint: Path, inputs: Path, output: Path, decode: str, workers: int | None = None) -> dict:
+def run(n: int, checkpoint: Path, inputs: Path, output: Path, decode: str, workers: int | None = None,
+        chunk: int = CHUNK) -> dict:
     """One embed run; images/s from its own report (the time after the model is loaded, the final merge included),
     and the steady rate a GPU: each rank's chunks after its first, over the time from its first chunk's end to its
     last's (rank r embeds chunks r, r + n, ...; a chunk's end is when its done marker appears), averaged over the
-    ranks that end two chunks or more."""
+    ranks that end two chunks or more, and the slowest rank's. Also where the rest of the time went: from the start
+    of the command to the first marker, and from the last marker to the command's end (rank 0's merge of what is
+    left, and the exit)."""
     work, ended = output.with_name(output.name + ".partial"), {}
     with Sampler(n) as s:
         start = time.perf_counter()
-        proc = subprocess.Popen(_command(n, checkpoint, inputs, output, workers, decode), env=_env(),
+        proc = subprocess.Popen(_command(n, checkpoint, inputs, output, workers, decode, chunk), env=_env(),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         reader = threading.Thread(target=lambda: ended.setdefault("out", proc.communicate()), daemon=True)
         reader.start()
@@ -73,7 +76,7 @@ def run(n: int, checkpoint: Path, inputs: Path, output: Path, decode: str, worke
             for marker in work.glob("chunk-*.json"):
                 ended.setdefault(int(marker.stem.split("-")[1]), time.perf_counter())
             reader.join(0.1)
-        wall = time.perf_counter() - start
+        end = time.perf_counter()
     stdout, stderr = ended.pop("out")
     if proc.returncode != 0:
         raise RuntimeError(f"embed with {n} GPU(s) failed:\n{stderr[-4000:]}")
@@ -82,19 +85,22 @@ def run(n: int, checkpoint: Path, inputs: Path, output: Path, decode: str, worke
     total = len(inputs.read_text().split())
     steady = []
     for rank in range(n):
-        times = sorted((t, min(CHUNK, total - k * CHUNK)) for k, t in ended.items() if k % n == rank)
+        times = sorted((t, min(chunk, total - k * chunk)) for k, t in ended.items() if k % n == rank)
         if len(times) > 1:
             steady.append(sum(size for _, size in times[1:]) / (times[-1][0] - times[0][0]))
     return {"gpus": n, "workers_per_gpu": workers if workers is not None else (os.cpu_count() or 1) // n - 1,
             "images": int(images), "seconds": float(seconds), "decoded_on_gpu": int(on_gpu),
-            "decoded_on_cpu": int(on_cpu), "wall_seconds": wall, "images_per_s": rate,
+            "decoded_on_cpu": int(on_cpu), "wall_seconds": end - start, "chunk_size": chunk,
+            "first_chunk_end_s": min(ended.values()) - start, "after_last_chunk_s": end - max(ended.values()),
+            "images_per_s": rate,
             "images_per_s_per_gpu": rate / n,
             "steady_images_per_s_per_gpu": sum(steady) / len(steady) if steady else None,
-            "ranks_with_a_steady_rate": len(steady),
+            "slowest_rank_steady_images_per_s": min(steady) if steady else None,
+            "ranks_with_a_steady_rate": len(steady), "chunks": len(ended),
             "cpu_busy": s.cpu_busy, "gpu_util_percent": s.gpu_util}
 
 
-def difference(table, reference) -> dict:
+def difference(table, reference, chunk: int) -> dict:
     """Where two outputs of the same inputs differ: rows, the largest embedding difference, and the chunks."""
     import numpy as np
 
@@ -104,7 +110,7 @@ def difference(table, reference) -> dict:
             for t in (table, reference))
     rows = np.flatnonzero((a != b).any(1))
     return {"same_paths": True, "rows_differing": len(rows), "max_abs_difference": float(np.abs(a - b).max()),
-            "chunks_differing": sorted({int(r) // CHUNK for r in rows})}
+            "chunks_differing": sorted({int(r) // chunk for r in rows})}
 
 
 def _children(pid: int) -> list[int]:
@@ -128,11 +134,11 @@ def _local_rank(pid: int) -> int | None:
     return ranks[0] if ranks else None
 
 
-def kill_and_resume(n: int, checkpoint: Path, inputs: Path, output: Path, decode: str) -> dict:
+def kill_and_resume(n: int, checkpoint: Path, inputs: Path, output: Path, decode: str, chunk: int) -> dict:
     """kill -9 of rank n-1 once two chunks are written, then the same command again."""
     work = output.with_name(output.name + ".partial")
-    proc = subprocess.Popen(_command(n, checkpoint, inputs, output, None, decode), env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(_command(n, checkpoint, inputs, output, None, decode, chunk), env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     while len(list(work.glob("chunk-*.json"))) < 2:
         if proc.poll() is not None:
             raise RuntimeError(f"the run to kill ended first:\n{proc.stderr.read()[-4000:]}")
@@ -142,8 +148,8 @@ def kill_and_resume(n: int, checkpoint: Path, inputs: Path, output: Path, decode
     done_at_kill = len(list(work.glob("chunk-*.json")))
     os.kill(victim, signal.SIGKILL)
     proc.communicate(timeout=300)
-    again = subprocess.run(_command(n, checkpoint, inputs, output, None, decode, overwrite=False), env=_env(),
-                           capture_output=True, text=True)
+    again = subprocess.run(_command(n, checkpoint, inputs, output, None, decode, chunk, overwrite=False),
+                           env=_env(), capture_output=True, text=True)
     if again.returncode != 0:
         raise RuntimeError(f"the run after the kill failed:\n{again.stderr[-4000:]}")
     resumed = re.search(r"resuming .*?: (\d+) of (\d+) chunks already done", again.stderr)
@@ -157,19 +163,28 @@ def main() -> int:
     parser.add_argument("--models", default="vit-b,dinov2-l", help="comma-separated, from " + ", ".join(MODELS))
     parser.add_argument("--num-images", default="150000,24000", help="images per model, in the order of --models")
     parser.add_argument("--distinct", type=int, default=20000, help="generated JPEGs; the rest are links to them")
+    parser.add_argument("--chunk-size", default=str(CHUNK),
+                        help=f"embed's --chunk-size, multiples of the batch ({BATCH}): one for every model, or one a "
+                             f"model in the order of --models (default {CHUNK})")
     parser.add_argument("--decode", choices=["cpu", "gpu"], default="gpu", help="embed's --decode (default gpu)")
     parser.add_argument("--share", action=argparse.BooleanOptionalAction, default=True,
                         help="also time one GPU with one rank's share of the CPUs at the largest N (default on)")
     parser.add_argument("--kill", action=argparse.BooleanOptionalAction, default=True,
                         help="kill -9 a rank of the first model's largest-N run, then resume it (default on)")
+    parser.add_argument("--kill-chunks", type=int, default=24, help="chunks of paths the killed run embeds")
     parser.add_argument("--dir", default=None, help="working folder (default: a temporary one)")
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
     gpus = [int(g) for g in args.gpus.split(",")]
     models = args.models.split(",")
     counts = [int(c) for c in args.num_images.split(",")]
-    if len(counts) != len(models) or any(m not in MODELS for m in models):
-        raise SystemExit(f"--models from {', '.join(MODELS)}, with one --num-images each")
+    chunks = [int(c) for c in args.chunk_size.split(",")]
+    chunks = chunks * len(models) if len(chunks) == 1 else chunks
+    if len(counts) != len(models) or len(chunks) != len(models) or any(m not in MODELS for m in models):
+        raise SystemExit(f"--models from {', '.join(MODELS)}, with one --num-images each, and one --chunk-size "
+                         f"for all or one each")
+    if any(c < 1 or c % BATCH for c in chunks):   # a chunk ending in a short batch: batches other runs do not make
+        raise SystemExit(f"--chunk-size: positive multiples of {BATCH}, got {args.chunk_size}")
     if max(gpus) > torch.cuda.device_count():
         raise SystemExit(f"--gpus {args.gpus} needs {max(gpus)} CUDA devices; this machine has "
                          f"{torch.cuda.device_count()}")
@@ -191,28 +206,29 @@ def main() -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=1))
 
-    for model, count in zip(models, counts):
+    for model, count, chunk in zip(models, counts, chunks):
         checkpoint = make_checkpoint(root / MODELS[model], MODELS[model])
         inputs = root / f"{model}.txt"
         inputs.write_text("\n".join(paths[:count]) + "\n")
         warm = root / f"{model}-warm.txt"
         # full batches and the short one the last chunk ends with: every shape the timed runs meet
-        warm.write_text("\n".join(paths[:3 * BATCH + count % CHUNK % BATCH]) + "\n")
+        warm.write_text("\n".join(paths[:3 * BATCH + count % chunk % BATCH]) + "\n")
         for n in sorted({1, max(gpus)}):  # compile and tune before anything is timed
-            run(n, checkpoint, warm, root / f"{model}-warm-{n}.parquet", args.decode)
+            run(n, checkpoint, warm, root / f"{model}-warm-{n}.parquet", args.decode, chunk=chunk)
         runs: dict[str, dict] = {}
-        results["models"][model] = entry = {"architecture": MODELS[model], "images": count, "runs": runs}
+        results["models"][model] = entry = {"architecture": MODELS[model], "images": count, "chunk_size": chunk,
+                                            "runs": runs}
         share = (os.cpu_count() or 1) // max(gpus) - 1
         plan = [(f"{model}-1", 1, None)] + ([(f"{model}-1-share", 1, share)] if max(gpus) > 1 and args.share else [])
         for name, n, workers in plan + [(f"{model}-{n}", n, None) for n in gpus if n > 1]:
-            r = runs[name] = run(n, checkpoint, inputs, root / f"{name}.parquet", args.decode, workers)
+            r = runs[name] = run(n, checkpoint, inputs, root / f"{name}.parquet", args.decode, workers, chunk)
             one, same = runs[f"{model}-1"], runs.get(f"{model}-1-share", runs[f"{model}-1"])
             table = pq.read_table(root / f"{name}.parquet")
             if name == f"{model}-1":   # the first run: the output every other one must equal
                 reference = table
             r["output_equals_one_gpu"] = table.equals(reference)
             if not r["output_equals_one_gpu"]:
-                r["difference"] = difference(table, reference)
+                r["difference"] = difference(table, reference, chunk)
             r["per_gpu_vs_one_gpu"] = r["images_per_s_per_gpu"] / one["images_per_s"]
             r["per_gpu_vs_one_gpu_same_workers"] = r["images_per_s_per_gpu"] / same["images_per_s"]
             if r["steady_images_per_s_per_gpu"] and one["steady_images_per_s_per_gpu"]:
@@ -221,12 +237,15 @@ def main() -> int:
             print(name, json.dumps(r), flush=True)
             save()
         if model == models[0] and max(gpus) > 1 and args.kill:
-            killed = kill_and_resume(max(gpus), checkpoint, inputs, root / f"{model}-killed.parquet",
-                                     args.decode)
+            kept = min(count, args.kill_chunks * chunk)   # whole chunks: the same batches as the one-GPU run's
+            prefix = root / f"{model}-kill.txt"
+            prefix.write_text("\n".join(paths[:kept]) + "\n")
+            killed = kill_and_resume(max(gpus), checkpoint, prefix, root / f"{model}-killed.parquet", args.decode,
+                                     chunk)
             table = pq.read_table(root / f"{model}-killed.parquet")
-            killed["output_equals_one_gpu"] = table.equals(reference)
+            killed["output_equals_one_gpu"] = table.equals(reference.slice(0, kept))
             killed["rows"], killed["distinct_paths"] = table.num_rows, len(set(table.column("path").to_pylist()))
-            ok &= killed["output_equals_one_gpu"] and killed["rows"] == killed["distinct_paths"] == count
+            ok &= killed["output_equals_one_gpu"] and killed["rows"] == killed["distinct_paths"] == kept
             print(json.dumps(killed), flush=True)
             entry["kill_and_resume"] = killed
             save()

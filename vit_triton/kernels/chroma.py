@@ -26,9 +26,10 @@ device: each image's unknown and inconsistent blocks.
 Cost per pixel: the first launch reads its 3 bytes, reads its chroma back (about 75 integer and float instructions)
 and writes 4 bytes a block; the second reads the 3 bytes, its block's code and three neighbours' (from the cache) and
 writes 3 bytes (about 85 instructions). With each program's own work (finding its image, summing its counts): about
-11 bytes (13 in 4:2:2, whose blocks are half as large) and 200 instructions a pixel (230), as Triton 3.9 compiles
-them for sm_90: 9 MB for a 0.8-megapixel photo. On an H100 the instructions take longer to issue than the bytes to
-move. Each thread loads and stores a byte at a time (an image's rows are not aligned), a warp 32 blocks of a row.
+11 bytes (13 in 4:2:2, whose blocks are half as large) and 200 instructions a pixel (more in 4:2:2, whose masked
+second row still issues), as Triton 3.9 compiles them for sm_90: 9 MB for a 0.8-megapixel photo. On an H100 the
+instructions take longer to issue than the bytes to move: 256 photos of 0.4 to 1.9 megapixels, half of them 4:2:0,
+take about 4 ms (2 GB moved). Each thread loads and stores a byte at a time (an image's rows are not aligned).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import triton.language as tl
 from .common import check_image_batch, pdl, start_next_kernel, wait_for_previous_kernel
 
 TABLE_COLUMNS = ("offset", "height", "width", "block rows", "block columns")
-TILE = (8, 64)   # a program's chroma blocks, rows x columns: 16 x 128 pixels in 4:2:0, 8 x 128 in 4:2:2
+TILE = (4, 64)   # a program's chroma blocks, rows x columns: 8 x 128 pixels in 4:2:0, 4 x 128 in 4:2:2
 MIN_IMAGES = 256   # the table rows _tile reads at least: one compiled kernel for every batch up to this many images
 
 
@@ -102,11 +103,14 @@ def _codes_kernel(pixels_ptr, table_ptr, codes_ptr, counts_ptr, images, IMAGES: 
     plane = height * width
     chosen = tl.full((TILE_R, TILE_C), -1, tl.int32)
     disagree = tl.zeros((TILE_R, TILE_C), tl.int32)
-    for dy in range(fy):   # the block's pixels in order: its first row, then its second (4:2:0)
+    # The block's pixels in order: its first row, then its second (4:2:0). Unrolled with the second row masked in
+    # 4:2:2: Triton 3.6 compiles a loop bounded by the loaded block rows into wrong loads on sm_90.
+    for dy in tl.static_range(2):
         y = by * fy + dy
+        bottom = tl.where(fy > dy, height, 0)   # no second pixel row in 4:2:2
         for dx in tl.static_range(2):
             x = 2 * bx + dx
-            here = (y < height) & (x < width)   # in the image, so is its block
+            here = (y < bottom) & (x < width)   # in the image, so is its block
             r, g, b = _rgb(pixels + y * width + x, plane, here)
             free = here & (r > 0) & (r < 255) & (g > 0) & (g < 255) & (b > 0) & (b < 255)
             # The conversion's colour differences, R - B = 1.402 (Cr - 128) - 1.772 (Cb - 128) and G - R =
@@ -151,15 +155,16 @@ def _upsample_kernel(pixels_ptr, table_ptr, codes_ptr, images, IMAGES: tl.conste
     start_next_kernel(PDL)
     own_r, own_g, own_b = _offsets(own >> 8, own & 255)
     plane = height * width
-    for dy in range(fy):
+    for dy in tl.static_range(2):   # unrolled, as in _codes_kernel
         y = by * fy + dy
         # The neighbours libjpeg-turbo reads: the block row above for an even pixel row, below for an odd one (4:2:0
         # only), and the block column left of an even pixel column, right of an odd one; the edge blocks repeated.
         by_next = tl.where(fy == 2, tl.minimum(tl.maximum(by + 2 * dy - 1, 0), rows_b - 1), by)
         down = _code(codes, cols_b, by_next, bx, own, inside)
+        bottom = tl.where(fy > dy, height, 0)   # no second pixel row in 4:2:2
         for dx in tl.static_range(2):
             x = 2 * bx + dx
-            here = (y < height) & (x < width)   # in the image (so is its block); loads need not wait for `own`
+            here = (y < bottom) & (x < width)   # in the image, so is its block
             bx_next = tl.minimum(tl.maximum(bx + 2 * dx - 1, 0), cols_b - 1)
             across = _code(codes, cols_b, by, bx_next, own, here)
             diagonal = _code(codes, cols_b, by_next, bx_next, own, here)
