@@ -10,11 +10,13 @@ added).
 Also times the ceilings: the model alone on ready uint8 batches (eager, and replayed from a CUDA graph as embed
 replays full batches), Pillow's decoding and resizing in one process, and nvJPEG with the resize kernel on bytes
 already in memory; and compares the two decoders: the largest pixel difference over a batch, and the cosine
-similarity of the embeddings both runs wrote.
+similarity of the embeddings both runs wrote. And splits the --decode gpu run's time between decoding and the forward
+(--overlap-images): the same run with the forward launched without programmatic dependent launch, with the forward
+replaced by a GPU kernel spinning as long on one SM, and with no forward.
 
     python scripts/embed_throughput.py [--num-images 20000] [--distinct 4000] [--cpu-images 5000]
                                        [--architecture vit_base_patch16_224] [--batch-size 256] [--workers N]
-                                       [--image-size WxH] [--json out.json]
+                                       [--image-size WxH] [--overlap-images 16384] [--json out.json]
 
 Needs a CUDA device, timm (for the checkpoint's weights), torchvision, pyarrow.
 """
@@ -22,6 +24,7 @@ Needs a CUDA device, timm (for the checkpoint's weights), torchvision, pyarrow.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -226,6 +229,56 @@ def run_embed(checkpoint: Path, input_spec: str, output: Path, batch_size: int, 
             "gpu_util_percent": load.gpu_util}
 
 
+def overlap_probes(checkpoint: Path, listed: Path, root: Path, batch_size: int, workers: int,
+                   forward_ms: float) -> dict:
+    """--decode gpu embed runs of the files in `listed`, to split the time between decoding and the forward: as it
+    is; with the forward launched without programmatic dependent launch (its kernels then leave SMs free between
+    one another, where decoding's kernels may start); with the forward replaced by one GPU kernel spinning on one SM
+    for forward_ms (the forward's time, the other SMs free for decoding); and with no forward (the pipeline's
+    decoding alone). Each: images/s, CPU busy, GPU busy. The stand-ins write zeros."""
+    import importlib
+
+    import vit_triton
+
+    embed_module = importlib.import_module("vit_triton.pipelines.embed")   # the package's name `embed` is a function
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    end.synchronize()
+    cycles_per_ms = 10_000_000 / start.elapsed_time(end)
+
+    def stand_in(ms: float):
+        def embedding_fn(model, pre, normalize, tokens, output_dtype):
+            def outputs(pixels: torch.Tensor) -> tuple[torch.Tensor]:
+                if ms:
+                    torch.cuda._sleep(int(ms * cycles_per_ms))
+                return (torch.zeros(len(pixels), model.config.embedding_dim, dtype=output_dtype,
+                                    device=pixels.device),)
+            return outputs
+        return embedding_fn
+
+    files = listed.read_text().split()
+    warm = root / "overlap-warm.txt"   # full batches and the short one these runs end with
+    warm.write_text("\n".join(files[:2 * batch_size + len(files) % 4096 % batch_size]) + "\n")
+    out = {"forward_ms": forward_ms, "spin_cycles_per_ms": cycles_per_ms}
+    run = functools.partial(run_embed, checkpoint, str(listed), root / "overlap.parquet", batch_size, workers, "gpu")
+    out["as_is"] = run()
+    with vit_triton.launch_options(pdl=False):
+        run_embed(checkpoint, str(warm), root / "overlap.parquet", batch_size, workers, "gpu")   # compiles
+        out["forward_without_pdl"] = run()
+    saved = embed_module.embedding_fn, embed_module.CUDAGraphRunner
+    try:
+        embed_module.CUDAGraphRunner = lambda model, forward: None   # the stand-ins run as they are
+        for name, ms in (("forward_replaced_by_a_spin", forward_ms), ("no_forward", 0.0)):
+            embed_module.embedding_fn = stand_in(ms)
+            out[name] = run()
+    finally:
+        embed_module.embedding_fn, embed_module.CUDAGraphRunner = saved
+    return out
+
+
 def trace_gpu_decode(checkpoint: Path, paths: list[str], root: Path, batch_size: int, workers: int,
                      trace: str) -> None:
     """A --decode gpu run over `paths` under torch.profiler: its Chrome trace, and the operations that took the
@@ -269,6 +322,9 @@ def main() -> int:
                         help="every JPEG this size (default: sizes from 400x300 to 1600x1200)")
     parser.add_argument("--dir", default=None, help="working folder (default: a temporary one)")
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--overlap-images", type=int, default=16384,
+                        help="images of the runs that split decoding's and the forward's time (overlap_probes; 0: "
+                             "none; default 16384)")
     parser.add_argument("--trace", default=None, metavar="FILE.json",
                         help="also trace a --decode gpu run of 8 batches with torch.profiler (CPU and CUDA) into this "
                              "Chrome trace, and print its busiest operations: where the pipeline waits")
@@ -289,7 +345,7 @@ def main() -> int:
     # shape met in a timed run would autotune there, with the workers waiting.
     warm = root / "warm.txt"
     quarter = args.num_images // 4
-    for short in short_batches((args.num_images, args.cpu_images, quarter), args.batch_size):
+    for short in short_batches((args.num_images, args.cpu_images, quarter, args.overlap_images), args.batch_size):
         warm.write_text("\n".join(paths[:args.batch_size + short]) + "\n")
         for decode in ("cpu", "gpu"):
             run_embed(checkpoint, str(warm), root / "warm.parquet", args.batch_size, args.workers, decode)
@@ -330,6 +386,12 @@ def main() -> int:
     cosine = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
     results["embedding_cosine_gpu_against_cpu"] = {"images": len(cosine), "min": float(cosine.min()),
                                                    "mean": float(cosine.mean())}
+    if args.overlap_images:
+        listed = root / "overlap.txt"
+        listed.write_text("\n".join(paths[:args.overlap_images]) + "\n")
+        results["overlap"] = overlap_probes(checkpoint, listed, root, args.batch_size, args.workers,
+                                            1e3 * args.batch_size / graphed)
+        print("overlap", json.dumps(results["overlap"]), flush=True)
     if args.trace:
         trace_gpu_decode(checkpoint, paths[:8 * args.batch_size], root, args.batch_size, args.workers, args.trace)
     for key, value in results.items():

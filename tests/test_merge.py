@@ -193,3 +193,12 @@ def test_a_run_stopped_early_leaves_its_chunks_and_no_output(tmp_path):
         _write_chunk(store, 2, inputs)
         merge.finish()
     assert pq.read_table(store.output).equals(_expected(inputs))
+
+
+def test_input_names_come_back_as_written_whatever_their_characters(tmp_path):
+    # Line and paragraph separators, quotes, backslashes, non-ASCII: the work directory's list keeps one name a line.
+    names = ["a\nb.jpg", "c\u2028d.jpg", "e\x0bf\x85.jpg", "\\n.jpg", 'q"uote.jpg', "ü/ß.jpg", " .jpg", ""]
+    store = _store(tmp_path)
+    assert _prepare(store, names) == names
+    assert store.read_inputs() == names
+    assert _store(tmp_path).read_inputs() == names   # as another rank, or a resumed run, reads them
