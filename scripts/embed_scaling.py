@@ -37,11 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch  # noqa: E402
 
-from embed_throughput import Sampler, make_checkpoint, make_images, read_all  # noqa: E402
+from embed_throughput import CHUNK, Sampler, make_checkpoint, make_images, read_all  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = {"vit-b": "vit_base_patch16_224", "dinov2-l": "vit_large_patch14_dinov2"}
-CHUNK, BATCH = 4096, 256   # embed's default --chunk-size and, on a GPU, --batch-size
+BATCH = 256   # embed's default --batch-size on a GPU
 _DONE = re.compile(r"this run: (\d+) images in ([\d.]+) s.*decoded (\d+) on the GPU and (\d+) on the CPU")
 
 

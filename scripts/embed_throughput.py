@@ -41,6 +41,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 
+CHUNK = 4096   # embed's default --chunk-size: a batch never spans two chunks
+
 SIZES = [(400, 300), (300, 400), (640, 480), (480, 640), (800, 600), (1024, 768), (1280, 960), (1600, 1200),
          (1200, 1600)]  # (width, height)
 
@@ -261,7 +263,7 @@ def overlap_probes(checkpoint: Path, listed: Path, root: Path, batch_size: int, 
 
     files = listed.read_text().split()
     warm = root / "overlap-warm.txt"   # full batches and the short one these runs end with
-    warm.write_text("\n".join(files[:2 * batch_size + len(files) % 4096 % batch_size]) + "\n")
+    warm.write_text("\n".join(files[:2 * batch_size + len(files) % CHUNK % batch_size]) + "\n")
     out = {"forward_ms": forward_ms, "spin_cycles_per_ms": cycles_per_ms}
     run = functools.partial(run_embed, checkpoint, str(listed), root / "overlap.parquet", batch_size, workers, "gpu")
     out["as_is"] = run()
@@ -293,7 +295,7 @@ def trace_gpu_decode(checkpoint: Path, paths: list[str], root: Path, batch_size:
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25), flush=True)
 
 
-def short_batches(counts: tuple[int, ...], batch_size: int, chunk_size: int = 4096) -> set[int]:
+def short_batches(counts: tuple[int, ...], batch_size: int, chunk_size: int = CHUNK) -> set[int]:
     """The sizes of the batches shorter than batch_size that embed's runs over `counts` images make (a batch ends
     at its chunk's end; embed's chunks are chunk_size images), and 0."""
     return {0} | {n % batch_size for count in counts
