@@ -96,6 +96,7 @@ def run(n: int, checkpoint: Path, inputs: Path, output: Path, decode: str, worke
             "images_per_s_per_gpu": rate / n,
             "steady_images_per_s_per_gpu": sum(steady) / len(steady) if steady else None,
             "slowest_rank_steady_images_per_s": min(steady) if steady else None,
+            "steady_images_per_s_by_rank": steady,
             "ranks_with_a_steady_rate": len(steady), "chunks": len(ended),
             "cpu_busy": s.cpu_busy, "gpu_util_percent": s.gpu_util}
 

@@ -177,16 +177,17 @@ def decode_ceiling(checkpoint: Path, paths: list[str], count: int = 200) -> floa
 
 
 def gpu_decode_ceilings(checkpoint: Path, paths: list[str], batch_size: int) -> dict:
-    """Images/s of nvJPEG alone, of the resize kernel alone (on images nvJPEG decoded), and of the two in turn, on
-    a batch of JPEG bytes already in memory; and the batch's mean megapixels."""
-    from vit_triton.data.decode import decode_jpegs
+    """Images/s of nvJPEG alone, of nvJPEG and the chroma upsampling, of the resize kernel alone (on images decoded
+    so), and of the three in turn, on a batch of JPEG bytes already in memory; and the batch's mean megapixels."""
+    from vit_triton.data.decode import decode_jpegs, nvjpeg_decode
 
     pre = _preprocess(checkpoint)
     encoded, blocks = _encoded(paths[:batch_size])
     cuda = torch.device("cuda")
     decoded = decode_jpegs(encoded, cuda, blocks)
     return {"megapixels_mean": sum(d.shape[1] * d.shape[2] for d in decoded) / len(decoded) / 1e6,
-            "nvjpeg_images_per_s": _images_per_s(lambda: decode_jpegs(encoded, cuda, blocks), iters=10),
+            "nvjpeg_images_per_s": _images_per_s(lambda: nvjpeg_decode(encoded, cuda), iters=10),
+            "nvjpeg_and_chroma_images_per_s": _images_per_s(lambda: decode_jpegs(encoded, cuda, blocks), iters=10),
             "resize_images_per_s": _images_per_s(lambda: pre.resize_crop_batch(decoded), iters=10),
             "nvjpeg_and_resize_images_per_s": _images_per_s(
                 lambda: pre.resize_crop_batch(decode_jpegs(encoded, cuda, blocks)), iters=10)}

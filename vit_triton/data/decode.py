@@ -109,11 +109,16 @@ def nvjpeg_available(device: torch.device) -> str | None:
 
 def decode_jpegs(encoded: list[torch.Tensor], device: torch.device,
                  blocks: list[tuple[int, int]]) -> list[torch.Tensor | str]:
-    """JPEGs (uint8 [n] CPU tensors of their bytes, with their chroma blocks from nvjpeg_block) decoded by nvJPEG on
-    `device`: uint8 RGB [3, H, W] each, libjpeg-turbo's pixels (kernels/chroma.py upsamples the chroma of 4:2:0
-    and 4:2:2 ones as it does), ready for the current stream; or why not, for one nvJPEG failed on or whose chroma
-    was not as expected (the batch is decoded one by one when it fails as a whole). On the CPU, torchvision's
-    libjpeg-turbo decodes them instead."""
+    """JPEGs (uint8 [n] CPU tensors of their bytes, with their chroma blocks from nvjpeg_block) decoded into
+    libjpeg-turbo's pixels on `device`: upsample_chroma of nvjpeg_decode, in one call."""
+    return upsample_chroma(nvjpeg_decode(encoded, device), blocks)
+
+
+def nvjpeg_decode(encoded: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | str]:
+    """JPEGs (uint8 [n] CPU tensors of their bytes) decoded by nvJPEG on `device`: uint8 RGB [3, H, W] each, each
+    chroma sample repeated over its block (upsample_chroma makes them libjpeg-turbo's), ready for the current
+    stream; or why not, for one nvJPEG failed on (the batch is decoded one by one when it fails as a whole). On the
+    CPU, torchvision's libjpeg-turbo decodes them instead. The caller's thread waits until the batch is decoded."""
     if device.type != "cuda":
         return _decode_jpegs(encoded, device)
     # torchvision's nvJPEG decoder allocates its outputs on the current stream but writes them on a stream of its
@@ -126,16 +131,18 @@ def decode_jpegs(encoded: list[torch.Tensor], device: torch.device,
     for image in decoded:
         if isinstance(image, torch.Tensor):
             image.record_stream(current)
-    return _upsampled(decoded, blocks)
+    return decoded
 
 
-def _upsampled(decoded: list[torch.Tensor | str], blocks: list[tuple[int, int]]) -> list[torch.Tensor | str]:
-    """nvJPEG's images with their chroma upsampled as libjpeg-turbo does (one copy into a buffer of them all);
-    one whose chroma samples were not repeated over their blocks becomes the reason."""
+def upsample_chroma(decoded: list[torch.Tensor | str], blocks: list[tuple[int, int]]) -> list[torch.Tensor | str]:
+    """nvjpeg_decode's images with the chroma of the 4:2:0 and 4:2:2 ones (their blocks from nvjpeg_block)
+    upsampled as libjpeg-turbo does (kernels/chroma.py, on the current stream; one copy into a buffer of them all);
+    one whose chroma samples were not repeated over their blocks becomes the reason. Images on the CPU are
+    libjpeg-turbo's already. Waits for the kernels' counts."""
     from ..kernels.chroma import fancy_upsample   # defining a kernel reads TRITON_INTERPRET: on first use
 
     subsampled = [i for i, (image, block) in enumerate(zip(decoded, blocks))
-                  if isinstance(image, torch.Tensor) and block != (1, 1)]
+                  if isinstance(image, torch.Tensor) and image.is_cuda and block != (1, 1)]
     if not subsampled:
         return decoded
     rows, offset = [], 0

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
-from .decode import UnreadableImage, decode_image, decode_jpegs, nvjpeg_block
+from .decode import UnreadableImage, decode_image, nvjpeg_block, nvjpeg_decode, upsample_chroma
 from .preprocess import Preprocess
 from .sources import read_bytes, tar_images
 
@@ -62,17 +62,17 @@ class Batch:
         return list(zip([0] + self.jpeg_ends[:-1], self.jpeg_ends))
 
     def nvjpeg(self, device: torch.device) -> list[torch.Tensor | str]:
-        """decode_jpegs of the JPEGs left to nvJPEG, in order: for each, its uint8 RGB [3, H, W] on `device` or the
-        error nvJPEG gave."""
+        """nvjpeg_decode of the JPEGs left to nvJPEG, in order: for each, its uint8 RGB [3, H, W] on `device`, its
+        chroma not yet upsampled, or the error nvJPEG gave."""
         if not self.jpeg_ends:
             return []
-        return decode_jpegs([self.jpeg[a:b] for a, b in self.jpeg_spans], device, self.jpeg_blocks)
+        return nvjpeg_decode([self.jpeg[a:b] for a, b in self.jpeg_spans], device)
 
     def device_pixels(self, preprocess: Preprocess, device: torch.device, decoded: list[torch.Tensor | str],
                       consumer: torch.cuda.Stream | None = None) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """uint8 pixels [n, C, H, W] on `device` of the readable images, in order: those decoded on the CPU copied
-        there, the JPEGs nvJPEG decoded (`decoded`, from nvjpeg()) resized and cropped by
-        preprocess.resize_crop_batch. A JPEG nvJPEG failed on is decoded on the CPU instead, or, if it is no image
+        there, the JPEGs nvJPEG decoded (`decoded`, from nvjpeg()) with their chroma upsampled, resized and cropped
+        by preprocess.resize_crop_batch. A JPEG nvJPEG failed on is decoded on the CPU instead, or, if it is no image
         there either, becomes unreadable (its reason set here). On a CUDA device the work runs on a stream of its
         own (_decode_stream): the pixels may be read on `consumer` (default: the current stream) once it waits for
         the event returned with them; elsewhere the event is None."""
@@ -89,7 +89,7 @@ class Batch:
         cpu = self.pixels.to(device, non_blocking=True)
         if not any(self.gpu):
             return cpu
-        decoded, spans = iter(decoded), iter(self.jpeg_spans)
+        decoded, spans = iter(upsample_chroma(decoded, self.jpeg_blocks)), iter(self.jpeg_spans)
         cpu_rows, gpu_rows, gpu_images, late_rows, late = [], [], [], [], []
         for i, on_gpu in enumerate(self.gpu):
             if self.reasons[i] is not None:
@@ -132,8 +132,9 @@ def device_batches(batches: Iterable[Batch], preprocess: Preprocess, device: tor
     """Each batch with its uint8 pixels [n, C, H, W] on `device`, in order, ready for the stream current where
     this generator runs. Without gpu_decode the pixels decoded on the CPU are copied. With it, two threads work
     up to `ahead` batches before they are asked for: one keeps nvJPEG decoding (it holds its caller until a batch
-    is decoded), the other resizes what it decoded (Batch.device_pixels), while the caller launches and
-    collects forwards. An error in either thread is raised here."""
+    is decoded) and does nothing else, the other upsamples the chroma of what it decoded and resizes it
+    (Batch.device_pixels), while the caller launches and collects forwards. An error in either thread is raised
+    here."""
     batches = iter(batches)  # here: a DataLoader's iterator is made on the thread that owns its signal handlers
     if not gpu_decode:
         for batch in batches:
