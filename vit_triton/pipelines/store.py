@@ -37,6 +37,7 @@ import csv
 import errno
 import fcntl
 import io
+import itertools
 import json
 import os
 import shutil
@@ -439,31 +440,33 @@ class Merge:
     def _write_npy(self, rows: int, meta: dict) -> None:
         store = self.store
         parts = [part for k, m in enumerate(self.markers) for part in self._parts(k, m)]
-        first = next(_part_arrays(parts[:1]))
+        with np.load(parts[0]) as first:   # which arrays the parts hold (nothing read yet)
+            held = first.files
         targets = {"embedding": store.output, "tokens": store.tokens_file}
         # The paths file says the output is complete: gone first (a finished output's, when adding to it), back last.
         store.paths_file.unlink(missing_ok=True)
-        for name in [n for n in ("embedding", "tokens") if n in first]:
-            shape, dtype = first[name].shape[1:], first[name].dtype
+        for name in [n for n in ("embedding", "tokens") if n in held]:
             tmp = targets[name].with_name(targets[name].name + f".tmp-{os.getpid()}")
-            out = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(rows, *shape))
             bases = [np.load(store._base(targets[name]), mmap_mode="r")] if self._base else []
-            row = 0
-            for array in [*bases, *(arrays[name] for arrays in _part_arrays(parts))]:
+            out, row = None, 0
+            for array in itertools.chain(bases, (arrays[name] for arrays in _part_arrays(parts, (name,)))):
+                if out is None:   # shaped by the first array: every part has one, if of no rows
+                    out = np.lib.format.open_memmap(tmp, mode="w+", dtype=array.dtype, shape=(rows, *array.shape[1:]))
                 out[row:row + len(array)] = array
                 row += len(array)
             out.flush()
             del out
             os.replace(tmp, targets[name])
         paths = json.loads(store._base(store.paths_file).read_text())["paths"] if self._base else []
-        paths += [name for arrays in _part_arrays(parts) for name in arrays["name"].tolist()]
+        paths += [name for arrays in _part_arrays(parts, ("name",)) for name in arrays["name"].tolist()]
         write_atomic(store.paths_file, lambda f: f.write(_json_bytes({**meta, "paths": paths})))
 
 
-def _part_arrays(parts: list[Path]):
+def _part_arrays(parts: list[Path], names: tuple[str, ...] | None = None):
+    """Each part's arrays, by name: those of `names` (default: all), the only members of its .npz read."""
     for part in parts:
         with np.load(part) as data:
-            yield {name: data[name] for name in data.files}
+            yield {name: data[name] for name in names or data.files}
 
 
 def _row_group(arrays: dict):
