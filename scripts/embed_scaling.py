@@ -37,11 +37,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch  # noqa: E402
 
-from embed_throughput import CHUNK, Sampler, make_checkpoint, make_images, read_all  # noqa: E402
+from embed_throughput import Sampler, make_checkpoint, make_images, read_all  # noqa: E402
+
+from vit_triton.pipelines.embed import CHUNK_SIZE, GPU_BATCH_SIZE as BATCH  # noqa: E402 -- embed's defaults
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = {"vit-b": "vit_base_patch16_224", "dinov2-l": "vit_large_patch14_dinov2"}
-BATCH = 256   # embed's default --batch-size on a GPU
 _DONE = re.compile(r"this run: (\d+) images in ([\d.]+) s.*decoded (\d+) on the GPU and (\d+) on the CPU")
 
 
@@ -58,7 +59,7 @@ def _env() -> dict:
 
 
 def run(n: int, checkpoint: Path, inputs: Path, output: Path, decode: str, workers: int | None = None,
-        chunk: int = CHUNK) -> dict:
+        chunk: int = CHUNK_SIZE) -> dict:
     """One embed run; images/s from its own report (the time after the model is loaded, the final merge included),
     and the steady rate a GPU: each rank's chunks after its first, over the time from its first chunk's end to its
     last's (rank r embeds chunks r, r + n, ...; a chunk's end is when its done marker appears), averaged over the
@@ -164,9 +165,9 @@ def main() -> int:
     parser.add_argument("--models", default="vit-b,dinov2-l", help="comma-separated, from " + ", ".join(MODELS))
     parser.add_argument("--num-images", default="150000,24000", help="images per model, in the order of --models")
     parser.add_argument("--distinct", type=int, default=20000, help="generated JPEGs; the rest are links to them")
-    parser.add_argument("--chunk-size", default=str(CHUNK),
+    parser.add_argument("--chunk-size", default=str(CHUNK_SIZE),
                         help=f"embed's --chunk-size, multiples of the batch ({BATCH}): one for every model, or one a "
-                             f"model in the order of --models (default {CHUNK})")
+                             f"model in the order of --models (default {CHUNK_SIZE})")
     parser.add_argument("--decode", choices=["cpu", "gpu"], default="gpu", help="embed's --decode (default gpu)")
     parser.add_argument("--share", action=argparse.BooleanOptionalAction, default=True,
                         help="also time one GPU with one rank's share of the CPUs at the largest N (default on)")

@@ -41,7 +41,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 
-CHUNK = 4096   # embed's default --chunk-size: a batch never spans two chunks
+from vit_triton.pipelines.embed import CHUNK_SIZE, GPU_BATCH_SIZE  # noqa: E402 -- embed's defaults
 
 SIZES = [(400, 300), (300, 400), (640, 480), (480, 640), (800, 600), (1024, 768), (1280, 960), (1600, 1200),
          (1200, 1600)]  # (width, height)
@@ -264,7 +264,7 @@ def overlap_probes(checkpoint: Path, listed: Path, root: Path, batch_size: int, 
 
     files = listed.read_text().split()
     warm = root / "overlap-warm.txt"   # full batches and the short one these runs end with
-    warm.write_text("\n".join(files[:2 * batch_size + len(files) % CHUNK % batch_size]) + "\n")
+    warm.write_text("\n".join(files[:2 * batch_size + len(files) % CHUNK_SIZE % batch_size]) + "\n")
     out = {"forward_ms": forward_ms, "spin_cycles_per_ms": cycles_per_ms}
     run = functools.partial(run_embed, checkpoint, str(listed), root / "overlap.parquet", batch_size, workers, "gpu")
     out["as_is"] = run()
@@ -296,7 +296,7 @@ def trace_gpu_decode(checkpoint: Path, paths: list[str], root: Path, batch_size:
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25), flush=True)
 
 
-def short_batches(counts: tuple[int, ...], batch_size: int, chunk_size: int = CHUNK) -> set[int]:
+def short_batches(counts: tuple[int, ...], batch_size: int, chunk_size: int = CHUNK_SIZE) -> set[int]:
     """The sizes of the batches shorter than batch_size that embed's runs over `counts` images make (a batch ends
     at its chunk's end; embed's chunks are chunk_size images), and 0."""
     return {0} | {n % batch_size for count in counts
@@ -318,7 +318,7 @@ def main() -> int:
     parser.add_argument("--cpu-images", type=int, default=5000,
                         help="the --decode cpu run embeds the first this many (it is the slow one)")
     parser.add_argument("--architecture", default="vit_base_patch16_224", help="a timm architecture")
-    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=GPU_BATCH_SIZE)
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
                         help="DataLoader workers (default: the CPUs less one, as embed's)")
     parser.add_argument("--image-size", type=_size, default=None, metavar="WxH",
@@ -332,6 +332,9 @@ def main() -> int:
                         help="also trace a --decode gpu run of 8 batches with torch.profiler (CPU and CUDA) into this "
                              "Chrome trace, and print its busiest operations: where the pipeline waits")
     args = parser.parse_args()
+    from vit_triton.data.decode import widen_hardware_queues
+
+    widen_hardware_queues()   # the embed runs are in this process: its CUDA must start as embed's would
     if not torch.cuda.is_available():
         raise SystemExit("embed_throughput.py needs a CUDA device")
     import pyarrow.parquet as pq

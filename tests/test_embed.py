@@ -22,6 +22,7 @@ from tests.numerics import DEVICE, assert_close
 from vit_triton import from_pretrained
 from vit_triton.cli import main
 from vit_triton.data import Preprocess, UnreadableImage, decode_image, load_image
+from vit_triton.data.decode import WIDE_QUEUES, widen_hardware_queues
 from vit_triton.data.sources import expand_braces, list_inputs
 from vit_triton.pipelines import store as store_module
 from vit_triton.pipelines.embed import _device as embed_device, embedding_fn
@@ -504,6 +505,36 @@ def test_torchrun_two_processes_write_what_one_does(spec, reference, counts, req
     assert result.stdout.count(f"vit-triton embed: {counts}") == 1  # rank 0 alone reports
     assert pq.read_table(two).equals(pq.read_table(single))
     assert two.with_suffix(".skipped.tsv").read_text() == single.with_suffix(".skipped.tsv").read_text()
+
+
+def test_hardware_queues_are_widened_only_before_cuda_starts_and_a_set_value_is_kept(monkeypatch):
+    # CUDA reads CUDA_DEVICE_MAX_CONNECTIONS when it starts; with its default 8 queues nvJPEG waits out the forwards.
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert not widen_hardware_queues() and "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert widen_hardware_queues() and os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == str(WIDE_QUEUES) == "32"
+    for value, wide in (("8", False), ("1", False), ("31", False), ("32", True), ("many", False)):
+        monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", value)
+        assert widen_hardware_queues() is wide and os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == value
+
+
+def test_the_cli_widens_the_queues_before_it_asks_cuda_anything(monkeypatch):
+    class Asked(Exception):
+        pass
+
+    seen = []
+
+    def is_available():
+        seen.append(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"))
+        raise Asked
+
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", is_available)
+    with pytest.raises(Asked):
+        _embed("imgs", "--model", "deit", "--output", "x.parquet")
+    assert seen == ["32"]
 
 
 def test_a_rank_without_its_gpu_is_named(monkeypatch):

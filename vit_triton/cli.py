@@ -345,6 +345,9 @@ def _classify(args: argparse.Namespace) -> int:
 
 
 def _embed(args: argparse.Namespace) -> int:
+    from .data.decode import widen_hardware_queues
+
+    widen_hardware_queues()   # before CUDA is asked anything, even whether it is there
     _interpret_without_cuda(args.device)
     from .pipelines import EmbedOptions, embed
 

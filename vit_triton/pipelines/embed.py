@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Sampler
 
 from ..data import Preprocess, UnreadableImage, load_image
-from ..data.decode import nvjpeg_available
+from ..data.decode import WIDE_QUEUES, nvjpeg_available, widen_hardware_queues
 from ..data.files import Batch, ImageFiles, TarShards, device_batches, worker_init
 from ..data.sources import is_shard, list_inputs
 from ..loaders import from_pretrained
@@ -41,6 +41,8 @@ from ..utils import MissingExtra
 from .store import ChunkStore, Summary, UsageError, check_image_size
 
 OUTPUT_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+GPU_BATCH_SIZE = 256   # the default --batch-size on a GPU (4 in the interpreter)
+CHUNK_SIZE = 4096      # the default --chunk-size (512 with --tokens)
 
 
 @dataclass(frozen=True)
@@ -48,9 +50,9 @@ class EmbedOptions:
     model: str
     input: str
     output: str
-    batch_size: int | None = None        # default: 256 on a GPU, 4 in the interpreter
+    batch_size: int | None = None        # default: GPU_BATCH_SIZE on a GPU, 4 in the interpreter
     num_workers: int | None = None       # default: this process's share of the CPUs, less one
-    chunk_size: int | None = None        # default: 4096 images, 512 with tokens
+    chunk_size: int | None = None        # default: CHUNK_SIZE images, 512 with tokens
     normalize: bool = False
     tokens: bool = False
     dtype: torch.dtype | None = None     # default: bfloat16 on a GPU, float32 in the interpreter
@@ -261,13 +263,14 @@ def _device(option: str | None, local_rank: int) -> torch.device:
 
 
 def _embed(opts: EmbedOptions, rank: int, world: int, local_rank: int, log) -> Summary | None:
+    wide = widen_hardware_queues()   # the CLI's call came before anything started CUDA; the API's comes here
     device = _device(opts.device, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     on_gpu = device.type == "cuda"
     dtype = opts.dtype or (torch.bfloat16 if on_gpu else torch.float32)
-    chunk_size = opts.chunk_size if opts.chunk_size is not None else 512 if opts.tokens else 4096
-    batch_size = opts.batch_size if opts.batch_size is not None else 256 if on_gpu else 4
+    chunk_size = opts.chunk_size if opts.chunk_size is not None else 512 if opts.tokens else CHUNK_SIZE
+    batch_size = opts.batch_size if opts.batch_size is not None else GPU_BATCH_SIZE if on_gpu else 4
     for name, value, least in (("--batch-size", batch_size, 1), ("--chunk-size", chunk_size, 1),
                                ("--num-workers", opts.num_workers or 0, 0)):
         if value < least:
@@ -284,6 +287,10 @@ def _embed(opts: EmbedOptions, rank: int, world: int, local_rank: int, log) -> S
         check_image_size(model, opts.image_size)
         pre = Preprocess.for_model(model, opts.image_size)
         decode = _decoding(opts.decode, device, pre)
+        if decode == "gpu" and not wide:
+            queues = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8, CUDA's default,")
+            log(f"vit-triton embed: note: with {queues} hardware queues (CUDA_DEVICE_MAX_CONNECTIONS), nvJPEG may "
+                f"wait behind the forwards (5x slower with 8 on an H100): set {WIDE_QUEUES} before CUDA starts")
         store.settings["decode"] = decode  # the two decoders' pixels differ slightly: one output keeps to one
 
         # Rank 0 decides; everyone gets its decision (or its error, to exit the same way).
