@@ -10,9 +10,9 @@ added).
 Also times the ceilings: the model alone on ready uint8 batches (eager, and replayed from a CUDA graph as embed
 replays full batches), Pillow's decoding and resizing in one process, and nvJPEG with the resize kernel on bytes
 already in memory; and compares the two decoders: the largest pixel difference over a batch, and the cosine
-similarity of the embeddings both runs wrote. And splits the --decode gpu run's time between decoding and the forward
-(--overlap-images): the same run with the forward launched without programmatic dependent launch, with the forward
-replaced by a GPU kernel spinning as long on one SM, and with no forward.
+similarity of the embeddings both runs wrote. And shows where the --decode gpu run's time goes (--overlap-images,
+overlap_probes): nvJPEG alone and beside a running forward, the decoding threads with the forward on batches in
+memory, and embed without the forward and as it is.
 
     python scripts/embed_throughput.py [--num-images 20000] [--distinct 4000] [--cpu-images 5000]
                                        [--architecture vit_base_patch16_224] [--batch-size 256] [--workers N]
@@ -232,53 +232,91 @@ def run_embed(checkpoint: Path, input_spec: str, output: Path, batch_size: int, 
             "gpu_util_percent": load.gpu_util}
 
 
-def overlap_probes(checkpoint: Path, listed: Path, root: Path, batch_size: int, workers: int,
-                   forward_ms: float) -> dict:
-    """--decode gpu embed runs of the files in `listed`, to split the time between decoding and the forward: as it
-    is; with the forward launched without programmatic dependent launch (its kernels then leave SMs free between
-    one another, where decoding's kernels may start); with the forward replaced by one GPU kernel spinning on one SM
-    for forward_ms (the forward's time, the other SMs free for decoding); and with no forward (the pipeline's
-    decoding alone). Each: images/s, CPU busy, GPU busy. The stand-ins write zeros."""
+def overlap_probes(checkpoint: Path, listed: Path, root: Path, batch_size: int, workers: int) -> dict:
+    """Where a --decode gpu run's time goes, from nvJPEG alone up to the whole pipeline. On JPEG batches of the
+    files in `listed` already in memory: nvJPEG alone; nvJPEG while another thread replays the graphed forward
+    without pause (and the forward's rate meanwhile), which falls several times short of alone where nvJPEG's
+    streams share the forward's hardware queue (CUDA_DEVICE_MAX_CONNECTIONS); and the package's two decoding
+    threads (device_batches) with the forward after each batch, as embed runs them without the DataLoader and the
+    writer. Then embed over the files: with the DataLoader and no forward (the stand-in writes zeros), and as it
+    is, each with CPU busy and GPU busy. Images/s throughout."""
     import importlib
 
-    import vit_triton
+    from vit_triton import Preprocess, from_pretrained
+    from vit_triton.data.files import device_batches, image_item, make_batch
+    from vit_triton.runtime import CUDAGraphRunner
 
     embed_module = importlib.import_module("vit_triton.pipelines.embed")   # the package's name `embed` is a function
-
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(10_000_000)
-    end.record()
-    end.synchronize()
-    cycles_per_ms = 10_000_000 / start.elapsed_time(end)
-
-    def stand_in(ms: float):
-        def embedding_fn(model, pre, normalize, tokens, output_dtype):
-            def outputs(pixels: torch.Tensor) -> tuple[torch.Tensor]:
-                if ms:
-                    torch.cuda._sleep(int(ms * cycles_per_ms))
-                return (torch.zeros(len(pixels), model.config.embedding_dim, dtype=output_dtype,
-                                    device=pixels.device),)
-            return outputs
-        return embedding_fn
-
     files = listed.read_text().split()
-    warm = root / "overlap-warm.txt"   # full batches and the short one these runs end with
-    warm.write_text("\n".join(files[:2 * batch_size + len(files) % CHUNK_SIZE % batch_size]) + "\n")
-    out = {"forward_ms": forward_ms, "spin_cycles_per_ms": cycles_per_ms}
+    cuda = torch.device("cuda")
+    model = from_pretrained(checkpoint, device=cuda, dtype=torch.bfloat16)
+    pre = Preprocess.for_model(model)
+    compute = embed_module.embedding_fn(model, pre, normalize=False, tokens=False, output_dtype=torch.float32)
+    graphed = CUDAGraphRunner(model, forward=compute)
+    batches = []
+    for first in range(0, min(len(files), 8 * batch_size) - batch_size + 1, batch_size):   # full batches, 8 at most
+        items = [(path, *image_item(Path(path).read_bytes(), pre, True)) for path in files[first:first + batch_size]]
+        batches.append(make_batch(0, items, False, pre))
+    images = sum(len(b.names) for b in batches)
+    out = {"cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8 (CUDA's default)"),
+           "batches_in_memory": len(batches)}
+    with torch.inference_mode():
+        for _, ready in device_batches(iter(batches[:1]), pre, cuda, True):
+            pixels = ready.clone()   # a full batch of real pixels for the forward to replay on
+        graphed(pixels)
+        torch.cuda.synchronize()
+
+    def replay(stop: threading.Event, replays: list[int]) -> None:
+        with torch.inference_mode():
+            while not stop.is_set():
+                graphed(pixels)
+                torch.cuda.current_stream().synchronize()
+                replays[0] += 1
+
+    for name, beside in (("nvjpeg_alone", False), ("nvjpeg_beside_the_forward", True)):
+        stop, replays = threading.Event(), [0]
+        thread = threading.Thread(target=replay, args=(stop, replays)) if beside else None
+        if thread:
+            thread.start()
+            time.sleep(0.2)   # the forward running before nvJPEG starts
+        with torch.inference_mode():
+            start = time.perf_counter()
+            for batch in batches * 2:
+                batch.nvjpeg(cuda)
+            seconds = time.perf_counter() - start
+        done = replays[0]
+        stop.set()
+        if thread:
+            thread.join()
+        out[name] = {"nvjpeg_images_per_s": 2 * images / seconds, "forward_images_per_s": done * len(pixels) / seconds}
+
+    with torch.inference_mode():
+        start, last = time.perf_counter(), None
+        for _, batch_pixels in device_batches(iter(batches * 3), pre, cuda, True):
+            if len(batch_pixels) == len(pixels):
+                graphed(batch_pixels)
+            else:   # an image nvJPEG and Pillow both failed on
+                compute(batch_pixels)
+            event = torch.cuda.Event()
+            event.record()
+            if last is not None:
+                last.synchronize()   # one batch in flight, as embed keeps it
+            last = event
+        torch.cuda.synchronize()
+        out["decoding_threads_and_forward_in_memory"] = 3 * images / (time.perf_counter() - start)
+
+    def zeros(model, pre, normalize, tokens, output_dtype):
+        return lambda pixels: (torch.zeros(len(pixels), model.config.embedding_dim, dtype=output_dtype,
+                                           device=pixels.device),)
+
     run = functools.partial(run_embed, checkpoint, str(listed), root / "overlap.parquet", batch_size, workers, "gpu")
-    out["as_is"] = run()
-    with vit_triton.launch_options(pdl=False):
-        run_embed(checkpoint, str(warm), root / "overlap.parquet", batch_size, workers, "gpu")   # compiles
-        out["forward_without_pdl"] = run()
     saved = embed_module.embedding_fn, embed_module.CUDAGraphRunner
     try:
-        embed_module.CUDAGraphRunner = lambda model, forward: None   # the stand-ins run as they are
-        for name, ms in (("forward_replaced_by_a_spin", forward_ms), ("no_forward", 0.0)):
-            embed_module.embedding_fn = stand_in(ms)
-            out[name] = run()
+        embed_module.embedding_fn, embed_module.CUDAGraphRunner = zeros, lambda model, forward: None
+        out["embed_without_the_forward"] = run()
     finally:
         embed_module.embedding_fn, embed_module.CUDAGraphRunner = saved
+    out["embed_as_is"] = run()
     return out
 
 
@@ -332,6 +370,9 @@ def main() -> int:
                         help="also trace a --decode gpu run of 8 batches with torch.profiler (CPU and CUDA) into this "
                              "Chrome trace, and print its busiest operations: where the pipeline waits")
     args = parser.parse_args()
+    if 0 < args.overlap_images < args.batch_size:
+        parser.error(f"--overlap-images must be 0 or at least the batch size ({args.batch_size}), "
+                     f"got {args.overlap_images}")
     from vit_triton.data.decode import widen_hardware_queues
 
     widen_hardware_queues()   # the embed runs are in this process: its CUDA must start as embed's would
@@ -395,8 +436,7 @@ def main() -> int:
     if args.overlap_images:
         listed = root / "overlap.txt"
         listed.write_text("\n".join(paths[:args.overlap_images]) + "\n")
-        results["overlap"] = overlap_probes(checkpoint, listed, root, args.batch_size, args.workers,
-                                            1e3 * args.batch_size / graphed)
+        results["overlap"] = overlap_probes(checkpoint, listed, root, args.batch_size, args.workers)
         print("overlap", json.dumps(results["overlap"]), flush=True)
     if args.trace:
         trace_gpu_decode(checkpoint, paths[:8 * args.batch_size], root, args.batch_size, args.workers, args.trace)
