@@ -6,14 +6,17 @@ vit_triton embed` for each N in --gpus (nvJPEG decoding by default, as embed's o
 images/s in all and per GPU against one GPU: over the whole run, as embed reports it (its start and the final merge
 of every rank's chunks into one file included), and steady (from the times the chunks end). With --share, one GPU
 also runs with the share of the CPUs one rank gets at the largest N, so that a shortfall can be put on the
-decoding or on the GPUs. Every run's output must equal the one-GPU output row for row (where one does not, the
-rows, the largest difference and the chunks that differ are reported). Then a run at the largest N is killed
+decoding or on the GPUs. With --independent, each N > 1 also runs as N single-GPU embeds at once, no torchrun
+(CUDA_VISIBLE_DEVICES=i, the chunks rank i would embed, one rank's share of the CPUs): if they lose as much a GPU
+as the ranks do, what the ranks share is the host, not the process group. Every run's output must equal the
+one-GPU output row for row (where one does not, the rows, the largest difference and the chunks that differ are
+reported; an independent embed's, the one-GPU output's rows of its chunks). Then a run at the largest N is killed
 (kill -9 of its last rank, once some chunks are written) and the same command run again, on the first
 --kill-chunks chunks' paths: its output must be complete and equal to the one-GPU output's first rows.
 
     python scripts/embed_scaling.py [--gpus 1,2] [--models vit-b,dinov2-l] [--num-images 150000,24000]
                                     [--distinct 20000] [--chunk-size 4096,1024] [--decode cpu|gpu] [--no-share]
-                                    [--no-kill] [--kill-chunks 24] [--json out.json] [--dir DIR]
+                                    [--independent] [--no-kill] [--kill-chunks 24] [--json out.json] [--dir DIR]
 
 The folder holds --distinct generated JPEGs, each linked under several names up to --num-images (generating
 150,000 distinct photos would take longer than embedding them; decoding a linked file costs the same). Needs
@@ -34,6 +37,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, installed or not
+sys.path.insert(0, str(Path(__file__).resolve().parent))      # embed_throughput beside it, imported too
 
 import torch  # noqa: E402
 
@@ -46,53 +50,84 @@ MODELS = {"vit-b": "vit_base_patch16_224", "dinov2-l": "vit_large_patch14_dinov2
 _DONE = re.compile(r"this run: (\d+) images in ([\d.]+) s.*decoded (\d+) on the GPU and (\d+) on the CPU")
 
 
-def _command(n: int, checkpoint: Path, inputs: Path, output: Path, workers: int | None, decode: str, chunk: int,
-             overwrite: bool = True) -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-           "-m", "vit_triton", "embed", str(inputs), "--model", str(checkpoint), "--output", str(output),
-           "--no-progress", "--decode", decode, "--chunk-size", str(chunk)] + (["--overwrite"] if overwrite else [])
-    return cmd + ([] if workers is None else ["--num-workers", str(workers)])
+def _command(n: int | None, checkpoint: Path, inputs: Path, output: Path, workers: int | None, decode: str,
+             chunk: int, overwrite: bool = True) -> list[str]:
+    """embed under torchrun with n processes, or, with n None, one plain process."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"] if n else []
+    cmd = [sys.executable, *launcher, "-m", "vit_triton", "embed", str(inputs), "--model", str(checkpoint),
+           "--output", str(output), "--no-progress", "--decode", decode, "--chunk-size", str(chunk)]
+    return cmd + (["--overwrite"] if overwrite else []) + ([] if workers is None else ["--num-workers", str(workers)])
 
 
-def _env() -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+def _env(gpu: int | None = None) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return env if gpu is None else {**env, "CUDA_VISIBLE_DEVICES": str(gpu)}
+
+
+def rank_rows(total: int, n: int, chunk: int, rank: int) -> list[int]:
+    """Which of `total` inputs rank `rank` of n embeds, in order: its chunks, rank, rank + n, ... (as embed deals
+    the chunks of a fresh output); the one-GPU output's rows of them, where every image is readable."""
+    return [k for start in range(rank * chunk, total, n * chunk) for k in range(start, min(start + chunk, total))]
 
 
 def run(n: int, checkpoint: Path, inputs: Path, output: Path, decode: str, workers: int | None = None,
-        chunk: int = CHUNK_SIZE) -> dict:
-    """One embed run; images/s from its own report (the time after the model is loaded, the final merge included),
-    and the steady rate a GPU: each rank's chunks after its first, over the time from its first chunk's end to its
-    last's (rank r embeds chunks r, r + n, ...; a chunk's end is when its done marker appears), averaged over the
-    ranks that end two chunks or more, and the slowest rank's. Also where the rest of the time went: from the start
-    of the command to the first marker, and from the last marker to the command's end (rank 0's merge of what is
-    left, and the exit)."""
-    work, ended = output.with_name(output.name + ".partial"), {}
+        chunk: int = CHUNK_SIZE, independent: bool = False) -> dict:
+    """One embed run over n GPUs: torchrun, or with `independent` n plain single-GPU embeds at once (embed i on GPU i
+    with the chunks rank i would take, into OUTPUT-i). images/s from embed's own report (the time after the model is
+    loaded, the final merge included; with `independent` each process's, summed), and the steady rate a GPU: each
+    rank's (process's) chunks after its first, over the time from its first chunk's end to its last's (rank r embeds
+    chunks r, r + n, ...; a chunk's end is when its done marker appears), averaged over the ranks that end two chunks
+    or more, and the slowest rank's. Also where the rest of the time went: from the start of the command to the
+    first marker, and from the last marker to the command's end (rank 0's merge of what is left, and the exit)."""
+    paths = inputs.read_text().split()
+    if independent:   # (command, environment, its work folder, its number of paths, which rank it stands for)
+        jobs = []
+        for i in range(n):
+            part = [paths[k] for k in rank_rows(len(paths), n, chunk, i)]
+            listed = output.with_name(f"{output.stem}-{i}.txt")
+            listed.write_text("\n".join(part) + "\n")
+            out = output.with_name(f"{output.stem}-{i}{output.suffix}")
+            jobs.append((_command(None, checkpoint, listed, out, workers, decode, chunk), _env(i), out, len(part), i))
+    else:
+        jobs = [(_command(n, checkpoint, inputs, output, workers, decode, chunk), _env(), output, len(paths), None)]
+    ended = {}   # (rank, job, chunk) -> (time its marker appeared, its images)
     with Sampler(n) as s:
         start = time.perf_counter()
-        proc = subprocess.Popen(_command(n, checkpoint, inputs, output, workers, decode, chunk), env=_env(),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        reader = threading.Thread(target=lambda: ended.setdefault("out", proc.communicate()), daemon=True)
-        reader.start()
-        while reader.is_alive():
-            for marker in work.glob("chunk-*.json"):
-                ended.setdefault(int(marker.stem.split("-")[1]), time.perf_counter())
-            reader.join(0.1)
+        procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for cmd, env, *_ in jobs]
+        outs: dict[int, tuple[str, str]] = {}
+        readers = [threading.Thread(target=lambda j=j, p=p: outs.setdefault(j, p.communicate()), daemon=True)
+                   for j, p in enumerate(procs)]
+        for reader in readers:
+            reader.start()
+        while any(reader.is_alive() for reader in readers):
+            for j, (_, _, out, total, rank) in enumerate(jobs):
+                for marker in out.with_name(out.name + ".partial").glob("chunk-*.json"):
+                    k = int(marker.stem.split("-")[1])
+                    ended.setdefault((k % n if rank is None else rank, j, k),
+                                     (time.perf_counter(), min(chunk, total - k * chunk)))
+            time.sleep(0.1)
         end = time.perf_counter()
-    stdout, stderr = ended.pop("out")
-    if proc.returncode != 0:
-        raise RuntimeError(f"embed with {n} GPU(s) failed:\n{stderr[-4000:]}")
-    images, seconds, on_gpu, on_cpu = _DONE.search(stdout).groups()
-    rate = int(images) / float(seconds)
-    total = len(inputs.read_text().split())
+    images = seconds = rate = 0.0
+    decoded = [0, 0]
+    for j, proc in enumerate(procs):
+        stdout, stderr = outs[j]
+        if proc.returncode != 0:
+            raise RuntimeError(f"embed with {n} GPU(s) failed:\n{stderr[-4000:]}")
+        count, secs, on_gpu, on_cpu = _DONE.search(stdout).groups()
+        images, seconds, rate = images + int(count), max(seconds, float(secs)), rate + int(count) / float(secs)
+        decoded = [decoded[0] + int(on_gpu), decoded[1] + int(on_cpu)]
     steady = []
     for rank in range(n):
-        times = sorted((t, min(chunk, total - k * chunk)) for k, t in ended.items() if k % n == rank)
+        times = sorted(v for (r, *_), v in ended.items() if r == rank)
         if len(times) > 1:
             steady.append(sum(size for _, size in times[1:]) / (times[-1][0] - times[0][0]))
-    return {"gpus": n, "workers_per_gpu": workers if workers is not None else (os.cpu_count() or 1) // n - 1,
-            "images": int(images), "seconds": float(seconds), "decoded_on_gpu": int(on_gpu),
-            "decoded_on_cpu": int(on_cpu), "wall_seconds": end - start, "chunk_size": chunk,
-            "first_chunk_end_s": min(ended.values()) - start, "after_last_chunk_s": end - max(ended.values()),
+    marks = [t for t, _ in ended.values()]
+    return {"gpus": n, "independent": independent,
+            "workers_per_gpu": workers if workers is not None else (os.cpu_count() or 1) // n - 1,
+            "images": int(images), "seconds": seconds, "decoded_on_gpu": decoded[0], "decoded_on_cpu": decoded[1],
+            "wall_seconds": end - start, "chunk_size": chunk,
+            "first_chunk_end_s": min(marks) - start, "after_last_chunk_s": end - max(marks),
             "images_per_s": rate,
             "images_per_s_per_gpu": rate / n,
             "steady_images_per_s_per_gpu": sum(steady) / len(steady) if steady else None,
@@ -171,6 +206,8 @@ def main() -> int:
     parser.add_argument("--decode", choices=["cpu", "gpu"], default="gpu", help="embed's --decode (default gpu)")
     parser.add_argument("--share", action=argparse.BooleanOptionalAction, default=True,
                         help="also time one GPU with one rank's share of the CPUs at the largest N (default on)")
+    parser.add_argument("--independent", action="store_true",
+                        help="also run each N > 1 as N single-GPU embeds at once, without torchrun")
     parser.add_argument("--kill", action=argparse.BooleanOptionalAction, default=True,
                         help="kill -9 a rank of the first model's largest-N run, then resume it (default on)")
     parser.add_argument("--kill-chunks", type=int, default=24, help="chunks of paths the killed run embeds")
@@ -220,17 +257,28 @@ def main() -> int:
         runs: dict[str, dict] = {}
         results["models"][model] = entry = {"architecture": MODELS[model], "images": count, "chunk_size": chunk,
                                             "runs": runs}
-        share = (os.cpu_count() or 1) // max(gpus) - 1
-        plan = [(f"{model}-1", 1, None)] + ([(f"{model}-1-share", 1, share)] if max(gpus) > 1 and args.share else [])
-        for name, n, workers in plan + [(f"{model}-{n}", n, None) for n in gpus if n > 1]:
-            r = runs[name] = run(n, checkpoint, inputs, root / f"{name}.parquet", args.decode, workers, chunk)
+        def share(n: int) -> int:   # the decoding workers a rank gets at n GPUs
+            return (os.cpu_count() or 1) // n - 1
+
+        plan = ([(f"{model}-1", 1, None, False)]
+                + ([(f"{model}-1-share", 1, share(max(gpus)), False)] if max(gpus) > 1 and args.share else [])
+                + [(f"{model}-{n}", n, None, False) for n in gpus if n > 1]
+                + [(f"{model}-{n}-independent", n, share(n), True) for n in gpus if n > 1 and args.independent])
+        for name, n, workers, independent in plan:
+            r = runs[name] = run(n, checkpoint, inputs, root / f"{name}.parquet", args.decode, workers, chunk,
+                                 independent)
             one, same = runs[f"{model}-1"], runs.get(f"{model}-1-share", runs[f"{model}-1"])
-            table = pq.read_table(root / f"{name}.parquet")
-            if name == f"{model}-1":   # the first run: the output every other one must equal
-                reference = table
-            r["output_equals_one_gpu"] = table.equals(reference)
-            if not r["output_equals_one_gpu"]:
-                r["difference"] = difference(table, reference, chunk)
+            if independent:   # embed i holds the one-GPU output's rows of chunks i, i + n, ...
+                r["output_equals_one_gpu"] = all(
+                    pq.read_table(root / f"{name}-{i}.parquet").equals(reference.take(rank_rows(count, n, chunk, i)))
+                    for i in range(n))
+            else:
+                table = pq.read_table(root / f"{name}.parquet")
+                if name == f"{model}-1":   # the first run: the output every other one must equal
+                    reference = table
+                r["output_equals_one_gpu"] = table.equals(reference)
+                if not r["output_equals_one_gpu"]:
+                    r["difference"] = difference(table, reference, chunk)
             r["per_gpu_vs_one_gpu"] = r["images_per_s_per_gpu"] / one["images_per_s"]
             r["per_gpu_vs_one_gpu_same_workers"] = r["images_per_s_per_gpu"] / same["images_per_s"]
             if r["steady_images_per_s_per_gpu"] and one["steady_images_per_s_per_gpu"]:
