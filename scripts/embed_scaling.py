@@ -64,6 +64,11 @@ def _env(gpu: int | None = None) -> dict:
     return env if gpu is None else {**env, "CUDA_VISIBLE_DEVICES": str(gpu)}
 
 
+def rank_workers(n: int) -> int:
+    """The decoding workers embed gives a rank at n GPUs of this host by default: its share of the CPUs, less one."""
+    return (os.cpu_count() or 1) // n - 1
+
+
 def rank_rows(total: int, n: int, chunk: int, rank: int) -> list[int]:
     """Which of `total` inputs rank `rank` of n embeds, in order: its chunks, rank, rank + n, ... (as embed deals
     the chunks of a fresh output); the one-GPU output's rows of them, where every image is readable."""
@@ -124,7 +129,7 @@ def run(n: int, checkpoint: Path, inputs: Path, output: Path, decode: str, worke
             steady.append(sum(size for _, size in times[1:]) / (times[-1][0] - times[0][0]))
     marks = [t for t, _ in ended.values()]
     return {"gpus": n, "independent": independent,
-            "workers_per_gpu": workers if workers is not None else (os.cpu_count() or 1) // n - 1,
+            "workers_per_gpu": workers if workers is not None else rank_workers(n),
             "images": int(images), "seconds": seconds, "decoded_on_gpu": decoded[0], "decoded_on_cpu": decoded[1],
             "wall_seconds": end - start, "chunk_size": chunk,
             "first_chunk_end_s": min(marks) - start, "after_last_chunk_s": end - max(marks),
@@ -257,13 +262,10 @@ def main() -> int:
         runs: dict[str, dict] = {}
         results["models"][model] = entry = {"architecture": MODELS[model], "images": count, "chunk_size": chunk,
                                             "runs": runs}
-        def share(n: int) -> int:   # the decoding workers a rank gets at n GPUs
-            return (os.cpu_count() or 1) // n - 1
-
         plan = ([(f"{model}-1", 1, None, False)]
-                + ([(f"{model}-1-share", 1, share(max(gpus)), False)] if max(gpus) > 1 and args.share else [])
+                + ([(f"{model}-1-share", 1, rank_workers(max(gpus)), False)] if max(gpus) > 1 and args.share else [])
                 + [(f"{model}-{n}", n, None, False) for n in gpus if n > 1]
-                + [(f"{model}-{n}-independent", n, share(n), True) for n in gpus if n > 1 and args.independent])
+                + [(f"{model}-{n}-independent", n, rank_workers(n), True) for n in gpus if n > 1 and args.independent])
         for name, n, workers, independent in plan:
             r = runs[name] = run(n, checkpoint, inputs, root / f"{name}.parquet", args.decode, workers, chunk,
                                  independent)
