@@ -5,7 +5,10 @@ Pillow's: the same pixels) stands in for nvJPEG, so the batch assembly and the r
 
 import contextlib
 import io
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -144,6 +147,36 @@ def test_a_consumer_that_stops_early_stops_the_decoding_thread():
     stream.close()
     assert not [t for t in threading.enumerate() if t.name.startswith("vit-triton-")]
     assert len(made) <= 7   # the one taken, and for each of the two threads `ahead` waiting and one it holds
+
+
+# A fresh process on GPU 1 decodes a batch there, then asks the driver whether GPU 0's primary context is open.
+_ON_GPU_1 = """
+import ctypes, sys, torch
+from vit_triton.data import Preprocess
+from vit_triton.data.files import device_batches, image_item, make_batch
+pre, gpu = Preprocess.from_timm(dict(input_size=(3, 32, 32))), torch.device("cuda", 1)
+torch.cuda.set_device(gpu)
+data = open(sys.argv[1], "rb").read()
+batch = make_batch(0, [("a.jpg", *image_item(data, pre, gpu_decode=True))], True, pre)
+[(done, pixels)] = device_batches([batch], pre, gpu, gpu_decode=True)
+assert done.gpu == [True] and pixels.device == gpu, (done.gpu, pixels.device)
+driver, device, flags, active = ctypes.CDLL("libcuda.so.1"), ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
+assert driver.cuDeviceGet(ctypes.byref(device), 0) == 0
+assert driver.cuDevicePrimaryCtxGetState(device, ctypes.byref(flags), ctypes.byref(active)) == 0
+print(active.value)
+"""
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_decoding_for_another_gpu_opens_no_context_on_gpu_0(tmp_path):
+    # Under torchrun every rank but the first decodes on a GPU other than 0; its decoding threads, which start on
+    # GPU 0 as every new thread does, must not open a context there (half a GB a rank, on another rank's GPU).
+    (tmp_path / "a.jpg").write_bytes(_jpeg(40, 30, 41))
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-c", _ON_GPU_1, str(tmp_path / "a.jpg")], capture_output=True, text=True,
+                         cwd=root, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split()[-1] == "0", "the decoding threads opened a context on GPU 0"
 
 
 def test_where_decoding_runs():

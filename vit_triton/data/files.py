@@ -141,15 +141,17 @@ def device_batches(batches: Iterable[Batch], preprocess: Preprocess, device: tor
             yield batch, batch.pixels.to(device, non_blocking=True)
         return
     cuda = device.type == "cuda"
+    if cuda:   # the threads take it as their current device: a bare "cuda" is this thread's current one
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
     consumer = torch.cuda.current_stream(device) if cuda else None
 
     def decode(batch: Batch) -> tuple[Batch, list[torch.Tensor | str]]:
         with torch.cuda.stream(_decode_stream(device)) if cuda else contextlib.nullcontext():
             return batch, batch.nvjpeg(device)   # ready for the stream the resizing runs on
 
-    decoded = _in_thread(decode, batches, ahead, "vit-triton-nvjpeg")
+    decoded = _in_thread(decode, batches, ahead, "vit-triton-nvjpeg", device)
     resized = _in_thread(lambda d: (d[0], *d[0].device_pixels(preprocess, device, d[1], consumer)), decoded, ahead,
-                         "vit-triton-resize")
+                         "vit-triton-resize", device)
     try:
         for batch, pixels, ready in resized:
             if ready is not None:
@@ -159,10 +161,10 @@ def device_batches(batches: Iterable[Batch], preprocess: Preprocess, device: tor
         resized.close()   # now, not whenever it is collected: its thread closes `decoded`, and each stops its thread
 
 
-def _in_thread(fn, items: Iterator, ahead: int, name: str) -> Iterator:
+def _in_thread(fn, items: Iterator, ahead: int, name: str, device: torch.device) -> Iterator:
     """fn(item) of each item, in order, computed on a thread of its own at most `ahead` items before they are
-    asked for (under torch.inference_mode); the thread's error is raised here. Closing this generator stops the
-    thread, which closes `items` if it is a generator."""
+    asked for (under torch.inference_mode, a CUDA `device`, with its index, the thread's current one); the thread's
+    error is raised here. Closing this generator stops the thread, which closes `items` if it is a generator."""
     done: queue.Queue = queue.Queue(maxsize=ahead)
     stop = threading.Event()
 
@@ -177,6 +179,8 @@ def _in_thread(fn, items: Iterator, ahead: int, name: str) -> Iterator:
 
     def work() -> None:
         try:
+            if device.type == "cuda":   # a new thread starts on GPU 0, another rank's: no context opened there
+                torch.cuda.set_device(device)
             with torch.inference_mode():
                 for item in items:
                     if not put((fn(item),)):
