@@ -24,13 +24,14 @@ atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_err
 
 @pytest.fixture
 def one_config(monkeypatch):
-    """linear and attention with their first candidate config only, so that two calls that differ in a
-    flag run the same tiles (their results can then be compared bit for bit on a GPU too)."""
+    """linear and attention, forward and backward, with their first candidate config only, so that two calls that
+    differ in a flag run the same tiles (their results can then be compared bit for bit on a GPU too)."""
     linear, attention = (importlib.import_module(f"vit_triton.kernels.{name}") for name in ("linear", "attention"))
-    for name in ("_plain_candidates", "_tma_candidates"):
+    for name in ("_plain_candidates", "_tma_candidates", "_backward_candidates"):
         candidates = getattr(linear, name)
-        monkeypatch.setattr(linear, name, lambda m, dtype, candidates=candidates: candidates(m, dtype)[:1])
-    monkeypatch.setattr(attention, "CANDIDATES", attention.CANDIDATES[:1])
+        monkeypatch.setattr(linear, name, lambda *args, candidates=candidates: candidates(*args)[:1])
+    for name in ("CANDIDATES", "BACKWARD_CANDIDATES"):
+        monkeypatch.setattr(attention, name, getattr(attention, name)[:1])
 
 
 @pytest.fixture

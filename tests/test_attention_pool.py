@@ -130,7 +130,7 @@ def test_aimv2_query_is_rounded_to_tf32_by_attention(monkeypatch):
     with tf32_matmuls():
         flagged = pool(tokens)
         pool.kv.tf32_output = pool.proj.tf32_input = False
-        monkeypatch.setattr(attention_pool, "fused_attention", lambda q, k, v, **flags: ops.fused_attention(q, k, v))
+        monkeypatch.setattr(attention_pool, "attention", lambda kv, q=None, **flags: ops.attention(kv, q))
         assert torch.equal(pool(tokens), flagged)
 
 
@@ -147,7 +147,8 @@ def test_query_kept_until_its_inputs_change(monkeypatch):
 
     def check(computed):
         calls.clear()
-        assert_close(pool(tokens.to(DEVICE)), theirs.double()(tokens.double()), torch.float32)
+        with torch.no_grad():   # inference: where autograd records the pool (training) the query is computed anew
+            assert_close(pool(tokens.to(DEVICE)), theirs.double()(tokens.double()), torch.float32)
         assert len(calls) == computed
 
     check(1)
@@ -159,9 +160,13 @@ def test_query_kept_until_its_inputs_change(monkeypatch):
             timm_param.mul_(1.5)
         check(1)
     calls.clear()
-    with tf32_matmuls():
+    with tf32_matmuls(), torch.no_grad():
         pool(tokens.to(DEVICE))
     assert len(calls) == 1
+    calls.clear()
+    pool(tokens.to(DEVICE))
+    pool(tokens.to(DEVICE))
+    assert len(calls) == 2   # recorded by autograd: computed at each call, in the graph the backward goes through
 
 
 def test_inference_tensors_compute_the_query_each_call(monkeypatch):

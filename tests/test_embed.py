@@ -25,7 +25,7 @@ from vit_triton.data import Preprocess, UnreadableImage, decode_image, load_imag
 from vit_triton.data.decode import WIDE_QUEUES, widen_hardware_queues
 from vit_triton.data.sources import expand_braces, list_inputs
 from vit_triton.pipelines import store as store_module
-from vit_triton.pipelines.embed import _device as embed_device, embedding_fn
+from vit_triton.pipelines.embed import embedding_fn, resolve_device as embed_device
 from vit_triton.pipelines.store import ChunkStore, UsageError
 from vit_triton.runtime import CUDAGraphRunner
 

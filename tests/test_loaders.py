@@ -142,19 +142,22 @@ def test_hf_families_return_what_their_users_want():
     assert clip.norm is None and clip.fc_norm is not None   # last_hidden_state is not normalized
 
 
-def test_layer_scale_is_folded_and_checked():
+def test_layer_scale_is_kept_and_checked():
     model = randomize_(transformers.Dinov2Model(transformers.Dinov2Config(**TINY_VISION, layerscale_value=0.5)))
     sd = dict(model.state_dict())
     cfg = hf_config_to_vit(model.config.to_dict())
+    assert cfg.layer_scale
     ours = hf_state_dict_to_vit(sd, cfg)
-    gamma = sd["layers.1.layer_scale2.lambda1"] if "layers.1.layer_scale2.lambda1" in sd \
-        else sd["encoder.layer.1.layer_scale2.lambda1"]
+    gamma = next(v for k, v in sd.items() if k.endswith("1.layer_scale2.lambda1"))
     fc2 = next(v for k, v in sd.items() if k.endswith("1.mlp.fc2.weight"))
-    torch.testing.assert_close(ours["blocks.1.fc2.weight"], gamma[:, None] * fc2)
+    assert torch.equal(ours["blocks.1.ls2"], gamma) and torch.equal(ours["blocks.1.fc2.weight"], fc2)
     missing = next(k for k in sd if k.endswith("0.layer_scale1.lambda1"))
+    sd[next(k for k in sd if k.endswith("1.layer_scale1.lambda1"))] = torch.ones(63)
     del sd[missing]
-    with pytest.raises(ValueError, match=re.escape(f"missing: {missing} (the layer scale of blocks.0.proj)")):
+    with pytest.raises(ValueError) as err:
         hf_state_dict_to_vit(sd, cfg)
+    assert f"missing: {missing} (for blocks.0.ls1 [64])" in str(err.value)
+    assert re.search(r"wrong shape: \S+1\.layer_scale1\.lambda1 is \[63\], expected \[64\]", str(err.value))
 
 
 def _hf_any_size_outputs(model, pixels):

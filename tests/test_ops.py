@@ -54,12 +54,19 @@ CASES = {
                                                      False)),
     "add_layer_norm-rms-no-bias": (ops._add_layer_norm, lambda: (_r(21, 40), _r(2, 21, 40, dtype=F32), _r(40), None,
                                                                  1e-6, False, True)),
-    "fused_attention": (ops._fused_attention, lambda: (*_qkv(2, 19, 3, 16), None, False, False)),
-    "fused_attention-scale": (ops._fused_attention, lambda: (*_qkv(1, 5, 2, 32), 0.3, False, False)),
-    "fused_attention-pool": (ops._fused_attention, lambda: (_r(1, 1, 3, 16).expand(2, -1, -1, -1),   # Tq = 1, Tk = 19
-                                                            *_r(2, 19, 2, 3, 16).unbind(2), None, False, False)),
-    "fused_attention-tf32": (ops._fused_attention, lambda: (*[t.float() for t in _qkv(2, 7, 2, 16)], None, True,
-                                                            True)),
+    "attention": (ops._attention, lambda: (_r(2, 19, 3, 3, 16), None, None, False, False)),
+    "attention-scale": (ops._attention, lambda: (_r(1, 5, 3, 2, 32), None, 0.3, False, False)),
+    "attention-pool": (ops._attention, lambda: (_r(2, 19, 2, 3, 16), _r(1, 1, 3, 16), None, False, False)),
+    "attention-tf32": (ops._attention, lambda: (_r(2, 7, 3, 2, 16, dtype=F32), None, None, True, True)),
+    "linear-layer_scale-drop_path": (ops._linear, lambda: (_r(38, 48), _r(40, 48), _r(40), "none", _r(38, 40), 1.0,
+                                                           False, False, None, None, False, 0, _r(40),
+                                                           _r(38, dtype=F32).abs())),
+    "linear_pre": (ops._linear_pre, lambda: (_r(37, 48), _r(40, 48), _r(40), "gelu", False, False)),
+    "linear_pre-swiglu": (ops._linear_pre, lambda: (_r(37, 48), _r(80, 48), _r(80), "swiglu", False, False)),
+    "mlp": (ops._mlp, lambda: (_r(37, 48), _r(96, 48), _r(96), _r(48, 96), _r(48), "quick_gelu", _r(37, 48), None,
+                               None, False)),
+    "mlp-swiglu-layer_scale": (ops._mlp, lambda: (_r(37, 48), _r(96, 48), None, _r(48, 48), None, "swiglu",
+                                                  _r(37, 48), _r(48), _r(37, dtype=F32).abs(), False)),
     "patch_embed": (ops._patch_embed, lambda: (_r(2, 3, 16, 24, dtype=torch.float32), _r(32, 3, 8, 8), _r(32),
                                                _r(7, 32), _r(1, 32))),
     "patch_embed-bare": (ops._patch_embed, lambda: (_r(1, 3, 8, 8), _r(16, 3, 4, 4), None, None, None)),
@@ -67,12 +74,23 @@ CASES = {
 }
 
 
+# The ops that autograd records (a backward registered); the others are inference-only.
+TRAINED = (ops._linear, ops._linear_pre, ops._mlp, ops._layer_norm, ops._attention, ops._patch_embed, ops._token_mean)
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_op_registration(case):
     """Schema, fake tensor (shape, dtype, strides) and dispatch, as torch.library checks them."""
     op, make = CASES[case]
     with tf32_matmuls() if case.endswith("-tf32") else contextlib.nullcontext():
-        torch.library.opcheck(op, make(), test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+        args = make()
+        utils = ("test_schema", "test_faketensor", "test_aot_dispatch_static")
+        # every input requiring grad, where the op has a backward: it runs and is traced too (an activated
+        # vit_triton::linear has none: autograd records vit_triton::linear_pre instead)
+        if op in TRAINED and not (op is ops._linear and args[3] != "none"):
+            args = tuple(t.requires_grad_() if isinstance(t, torch.Tensor) else t for t in args)
+            utils += ("test_autograd_registration", "test_aot_dispatch_dynamic")
+        torch.library.opcheck(op, args, test_utils=utils)
 
 
 def test_eager_calls_skip_the_dispatcher_and_agree_with_it():

@@ -16,6 +16,7 @@ _EXPORTS = {
     "from_timm": ".loaders",
     "compile": ".runtime",
     "from_pretrained": ".loaders",
+    "save_pretrained": ".loaders",
     "Preprocess": ".data",
     "embed_images": ".pipelines",
     "launch_options": ".kernels",

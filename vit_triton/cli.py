@@ -63,8 +63,8 @@ def _parser() -> argparse.ArgumentParser:
                             "vit_large_patch14_reg4_dinov2), built with random weights (default: %(default)s)")
     bench.add_argument("--image-size", type=positive_int, default=None,
                        help="input size in pixels, square, for a timm architecture (default: the architecture's)")
-    bench.add_argument("--batch-sizes", type=batch_sizes, default="1,8,32,128,256",
-                       help="comma-separated positive integers (default: %(default)s)")
+    bench.add_argument("--batch-sizes", type=batch_sizes, default=None,
+                       help="comma-separated positive integers (default: 1,8,32,128,256; 128 with --train)")
     bench.add_argument("--dtype", default="bf16", choices=sorted(DTYPES) + ["tf32"],
                        help="tf32: float32 tensors with every system's matmuls on tf32 tensor cores "
                             "(torch.set_float32_matmul_precision('high')); fp32 keeps them exact "
@@ -83,9 +83,18 @@ def _parser() -> argparse.ArgumentParser:
                             "GPU runs at its power limit, where images/s is the limit over joules per image; with "
                             "--kernels, each kernel's millijoules a call, ours and PyTorch's, against the least the "
                             "measured matmul and copy allow")
+    bench.add_argument("--train", action="store_true",
+                       help="time a training step (forward, cross-entropy, backward, fused AdamW) of vit-triton, timm "
+                            "and torch.compile(timm) from the same weights, at each batch size (default 128) and "
+                            "--precisions, after checking vit-triton's loss and gradients against timm's; then the "
+                            "attention backward against PyTorch's flash SDPA backward")
+    bench.add_argument("--precisions", default="bf16-mixed,bf16",
+                       help="with --train: comma-separated subset of bf16-mixed (autocast over float32 weights), "
+                            "bf16 (everything bfloat16) (default: %(default)s)")
     bench.add_argument("--out", default="bench-results", help="output folder (default: %(default)s)")
     bench.set_defaults(usage_error=bench.error)
     _add_classify_and_embed(sub)
+    _add_finetune(sub)
     return parser
 
 
@@ -161,6 +170,119 @@ several GPUs: torchrun --nproc-per-node N -m vit_triton embed INPUT --model M --
     _add_runtime_options(embed, "images per forward pass, per GPU (default 256 on a GPU, 4 in the interpreter)")
 
 
+def _add_finetune(sub) -> None:
+    finetune = sub.add_parser(
+        "finetune", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EXIT_CODES + """
+
+inputs (TRAIN, VAL):
+  a folder of class subfolders   TRAIN/CLASS/IMAGE (torchvision's ImageFolder layout; classes sorted by name)
+  a CSV file                     rows path,label (an optional header path,label; paths relative to the CSV)
+  tar shards                     webdataset's layout: KEY.jpg beside KEY.cls (an integer or a name) or KEY.json
+                                 ({"label": ...} or {"cls": ...}); a .tar, a brace range, a glob, folder or list
+  integer labels of a CSV or of shards are sorted as numbers; any INPUT may be a URL that fsspec opens
+
+outputs (in OUT_DIR):
+  config.json, model.safetensors, ...  the fine-tuned model in its source library's layout (transformers or
+                                       timm), labels included: vit-triton classify/embed and the library load it
+  metrics.jsonl, curves.png            a line per --log-interval steps and per epoch; their plot
+  train.skipped.tsv, val.skipped.tsv   path and reason of each input that is not a readable labelled image
+  training/                            settings, the scanned data set, the last checkpoint (for --resume)
+
+several GPUs: torchrun --nproc-per-node N -m vit_triton finetune TRAIN --model M --output OUT_DIR
+  DistributedDataParallel; --batch-size stays the global batch, split over the processes.""",
+        help="fine-tune a checkpoint into a classifier of labelled images: resumable, on one or several GPUs",
+        description=textwrap.fill(
+            "Fine-tune a checkpoint's ViT on labelled images (a new head for the classes found), with the fine-tuning "
+            "literature's defaults: AdamW, layer-wise learning-rate decay, a cosine schedule after a linear warm-up, "
+            "drop path, label smoothing, RandomResizedCrop and horizontal flips, the checkpoint's own normalization "
+            "(its own preprocessing for validation). Every image is decoded once first: those that cannot be read "
+            "are listed and left out. Checkpoints are written atomically; after a kill (even kill -9), --resume "
+            "continues to the weights the uninterrupted run would have reached.", 100),
+    )
+    finetune.add_argument("train", metavar="TRAIN",
+                          help="the training images: a folder of class subfolders, a CSV of path,label, or tar shards "
+                               "with .cls or .json labels (see inputs below)")
+    finetune.add_argument("--model", required=True, help=_MODEL_HELP + "; with or without a classification head")
+    finetune.add_argument("--output", required=True, metavar="OUT_DIR",
+                          help="the output folder: new or empty (or the run's own, with --resume)")
+    val = finetune.add_mutually_exclusive_group()
+    val.add_argument("--val", metavar="VAL", default=None,
+                     help="the validation images, in any layout TRAIN may have; their classes must be TRAIN's")
+    val.add_argument("--val-split", type=float, default=None, metavar="FRACTION",
+                     help="hold out this fraction of each class of TRAIN for validation, drawn from --seed "
+                          "(default 0.1 without --val; 0: no validation)")
+    finetune.add_argument("--epochs", type=positive_int, default=10, help="epochs (default %(default)s)")
+    finetune.add_argument("--batch-size", type=positive_int, default=None,
+                          help="images a batch, over all processes (unlike timm's, per process): under torchrun each "
+                               "of N processes takes 1/N of every batch (default 128 on a GPU, 8 in the interpreter)")
+    finetune.add_argument("--grad-accum-steps", type=positive_int, default=1,
+                          help="batches accumulated into each optimizer step (default %(default)s)")
+    finetune.add_argument("--lr", type=float, default=None,
+                          help="peak learning rate (default 5e-4 x batch size x grad-accum-steps / 512)")
+    finetune.add_argument("--opt", default="adamw", help="optimizer, any of timm.optim's (default %(default)s)")
+    finetune.add_argument("--momentum", type=float, default=0.9, help="SGD's momentum (default %(default)s)")
+    finetune.add_argument("--weight-decay", type=float, default=0.05,
+                          help="weight decay, but for biases, norms, position embeddings and prefix tokens "
+                               "(default %(default)s)")
+    finetune.add_argument("--layer-decay", type=float, default=0.75,
+                          help="layer-wise learning-rate decay (timm's): block i of 1..L learns at lr x decay^(L + 1 - "
+                               "i), the embeddings at lr x decay^(L + 1), the final norm and the head at lr (default "
+                               "%(default)s; 1: none)")
+    finetune.add_argument("--sched", choices=["cosine", "tanh"], default="cosine",
+                          help="learning-rate schedule after the warm-up, stepped each optimizer step (timm.scheduler; "
+                               "default %(default)s)")
+    finetune.add_argument("--warmup-epochs", type=natural_int, default=1,
+                          help="epochs of linear warm-up from --warmup-lr (default %(default)s)")
+    finetune.add_argument("--warmup-lr", type=float, default=1e-6, help="learning rate the warm-up starts at "
+                                                                         "(default %(default)s)")
+    finetune.add_argument("--min-lr", type=float, default=1e-6, help="learning rate the schedule ends at "
+                                                                      "(default %(default)s)")
+    finetune.add_argument("--drop-path", type=float, default=0.1,
+                          help="stochastic depth: the last block's drop rate, rising linearly from 0 over the blocks "
+                               "(default %(default)s)")
+    finetune.add_argument("--drop", type=float, default=0.0,
+                          help="dropout of the pooled features before the head (default %(default)s)")
+    finetune.add_argument("--smoothing", type=float, default=0.1, help="label smoothing (default %(default)s)")
+    finetune.add_argument("--clip-grad", type=float, default=None, help="clip the gradients' norm to this (default: "
+                                                                         "no clipping)")
+    finetune.add_argument("--scale", type=float, nargs=2, default=(0.08, 1.0), metavar=("MIN", "MAX"),
+                          help="RandomResizedCrop's range of the area cropped (default 0.08 1)")
+    finetune.add_argument("--ratio", type=float, nargs=2, default=(3 / 4, 4 / 3), metavar=("MIN", "MAX"),
+                          help="RandomResizedCrop's range of aspect ratios (default 3/4 4/3)")
+    finetune.add_argument("--hflip", type=float, default=0.5, help="probability of a horizontal flip (default "
+                                                                    "%(default)s)")
+    finetune.add_argument("--linear-probe", action="store_true",
+                          help="train the head alone: the backbone is frozen and runs without autograd")
+    finetune.add_argument("--grad-checkpointing", action="store_true",
+                          help="activation checkpointing: each block's forward runs again in the backward, for memory")
+    finetune.add_argument("--precision", choices=["bf16-mixed", "bf16", "fp32"], default=None,
+                          help="bf16-mixed: float32 weights, bfloat16 compute (torch.autocast); bf16: all bfloat16; "
+                               "fp32 (default bf16-mixed on a GPU, fp32 in the CPU interpreter)")
+    finetune.add_argument("--seed", type=natural_int, default=42,
+                          help="seed of the data order, the augmentations, the new head and drop path (default "
+                               "%(default)s)")
+    finetune.add_argument("-j", "--workers", type=natural_int, default=None,
+                          help="DataLoader worker processes decoding and augmenting images, per process (default: "
+                               "the CPUs per process, less one)")
+    finetune.add_argument("--checkpoint-every", type=natural_int, default=500, metavar="N",
+                          help="write a checkpoint every N optimizer steps, besides each epoch's end (default "
+                               "%(default)s; 0: at epochs' ends only)")
+    finetune.add_argument("--log-interval", type=positive_int, default=50, metavar="N",
+                          help="write the loss, learning rate and images/s to metrics.jsonl every N steps (default "
+                               "%(default)s)")
+    finetune.add_argument("--resume", action="store_true",
+                          help="continue the run in OUT_DIR from its last checkpoint (the same settings)")
+    finetune.add_argument("--image-size", type=image_size, default=None, metavar="N|HxW",
+                          help="train and validate on images of this size, N x N or H x W pixels, instead of the "
+                               "checkpoint's (the saved model keeps its own; pass --image-size to classify and embed)")
+    finetune.add_argument("--device", default=None,
+                          help="torch device (default: cuda, or cuda:LOCAL_RANK under torchrun; without a CUDA device, "
+                               "cpu through Triton's interpreter)")
+    finetune.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                          help="progress bars with the loss, learning rate and images/s on stderr (default: when "
+                               "stderr is a terminal)")
+
+
 def _add_runtime_options(p: argparse.ArgumentParser, batch_help: str) -> None:
     p.add_argument("--image-size", type=image_size, default=None, metavar="N|HxW",
                    help="run the model on images of this size, N x N or H x W pixels (at least the patch size), "
@@ -197,7 +319,7 @@ def _bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     cfg, timm_module = _bench_model(args)
-    batch_sizes = sorted(set(args.batch_sizes))
+    batch_sizes = sorted(set(args.batch_sizes or ([128] if args.train else [1, 8, 32, 128, 256])))
     if args.dtype == "tf32":
         torch.set_float32_matmul_precision("high")
     dtype = torch_dtype(args.dtype)
@@ -206,6 +328,8 @@ def _bench(args: argparse.Namespace) -> int:
                          "needs a CUDA device")
     from .bench import systems
 
+    if args.train and on_gpu:
+        return _bench_train(args, cfg, timm_module, batch_sizes)
     names = tuple(args.systems.split(",")) if args.systems else systems.SYSTEMS
     unknown = set(names) - set(systems.SYSTEMS)
     if unknown:
@@ -223,6 +347,28 @@ def _bench(args: argparse.Namespace) -> int:
     else:
         print(harness.format_table(harness.run_bench(name, cfg, batch_sizes, dtype, device, out, names,
                                                      board=board, timm_module=timm_module)))
+    print(f"results under {out}/")
+    return 0
+
+
+def _bench_train(args: argparse.Namespace, cfg, timm_module, batch_sizes: list[int]) -> int:
+    import torch
+    from pathlib import Path
+
+    from .bench import systems, train
+
+    precisions = args.precisions.split(",")
+    unknown = set(precisions) - set(train.PRECISIONS)
+    if unknown:
+        args.usage_error(f"unknown precisions {sorted(unknown)}; expected a subset of {','.join(train.PRECISIONS)}")
+    names = tuple(args.systems.split(",")) if args.systems else train.TRAIN_SYSTEMS
+    if set(names) - set(train.TRAIN_SYSTEMS):
+        args.usage_error(f"with --train, --systems is a subset of {','.join(train.TRAIN_SYSTEMS)}")
+    timm_module = timm_module if timm_module is not None else systems.timm_model(cfg)
+    name = args.model + (f"_{args.image_size}" if args.image_size else "")
+    out = Path(args.out) / name / "train"
+    result = train.run_train_bench(name, timm_module, batch_sizes, precisions, torch.device("cuda"), out, names)
+    print(train.format_train_table(result))
     print(f"results under {out}/")
     return 0
 
@@ -368,6 +514,30 @@ def _embed(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _finetune(args: argparse.Namespace) -> int:
+    _interpret_without_cuda(args.device)
+    from .pipelines import FinetuneOptions, finetune
+
+    summary = finetune(FinetuneOptions(
+        train=args.train, model=args.model, output=args.output, val=args.val, val_split=args.val_split,
+        epochs=args.epochs, batch_size=args.batch_size, grad_accum_steps=args.grad_accum_steps, lr=args.lr,
+        opt=args.opt, momentum=args.momentum, weight_decay=args.weight_decay, layer_decay=args.layer_decay,
+        sched=args.sched, warmup_epochs=args.warmup_epochs, warmup_lr=args.warmup_lr, min_lr=args.min_lr,
+        drop_path=args.drop_path, drop=args.drop, smoothing=args.smoothing, clip_grad=args.clip_grad,
+        scale=tuple(args.scale), ratio=tuple(args.ratio), hflip=args.hflip, image_size=args.image_size,
+        linear_probe=args.linear_probe, grad_checkpointing=args.grad_checkpointing, precision=args.precision,
+        seed=args.seed, workers=args.workers, checkpoint_every=args.checkpoint_every,
+        log_interval=args.log_interval, resume=args.resume, device=args.device, progress=args.progress,
+    ))
+    if summary is not None:  # rank 0
+        validated = (f"validation top-1 {100 * summary.val_top1:.2f}% (loss {summary.val_loss:.4f}) on "
+                     f"{summary.val_images} images" if summary.val_top1 is not None else "no validation")
+        print(f"vit-triton finetune: done, {summary.epochs} epoch(s), {summary.steps} steps on {summary.train_images} "
+              f"images of {summary.classes} classes; {validated}; skipped {summary.skipped} (listed in "
+              f"{summary.output}/*.skipped.tsv); this run {summary.seconds:.1f} s -> {summary.output}", flush=True)
+    return EXIT_OK
+
+
 def _run_reporting_errors(command, args: argparse.Namespace) -> int:
     """Every failure becomes one line on stderr and an exit status (see _EXIT_CODES); bugs keep their traceback."""
     try:
@@ -386,8 +556,9 @@ def _run_reporting_errors(command, args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        if args.command in ("classify", "embed"):
-            return _run_reporting_errors({"classify": _classify, "embed": _embed}[args.command], args)
+        if args.command in ("classify", "embed", "finetune"):
+            return _run_reporting_errors({"classify": _classify, "embed": _embed, "finetune": _finetune}[args.command],
+                                         args)
         return {"verify": _verify, "bench": _bench}[args.command](args)
     except MissingExtra as e:
         print(f"vit-triton {args.command}: error: {e}", file=sys.stderr)

@@ -46,6 +46,27 @@ def check(out: torch.Tensor, torch_fn, *inputs: torch.Tensor | None) -> torch.Te
     return out
 
 
+def torch_grads(fn, dy, *inputs):
+    """The gradients of fn(*inputs) . dy with respect to each input, through torch autograd (None for a None input)."""
+    leaves = [None if t is None else t.detach().requires_grad_() for t in inputs]
+    fn(*leaves).backward(dy)
+    return [None if t is None else t.grad for t in leaves]
+
+
+def check_grads(grads, fn, dy, *inputs):
+    """Our gradients (one per input, None: not checked) of fn(*inputs) against dy, each held to the tolerance rule:
+    torch autograd on float64 CPU copies of the very same dy and inputs for the reference, and on the inputs as they
+    are for PyTorch's own error in their precision."""
+    references = reference(lambda *args: torch_grads(fn, *args), dy, *inputs)
+    for i, (ours, ref, torch_grad) in enumerate(zip(grads, references, torch_grads(fn, dy, *inputs))):
+        if ours is not None:
+            assert ours.shape == ref.shape and ours.dtype == inputs[i].dtype, (i, ours.shape, ours.dtype)
+            try:
+                assert_close(ours, ref, ours.dtype, torch_grad)
+            except AssertionError as error:
+                raise AssertionError(f"gradient of input {i}: {error}") from None
+
+
 @contextlib.contextmanager
 def tf32_matmuls():
     """PyTorch's float32 matmuls on tf32 tensor cores (allow_tf32) for the duration."""

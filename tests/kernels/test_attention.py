@@ -1,4 +1,5 @@
-"""fused_attention against F.scaled_dot_product_attention, on the strided q/k/v the model passes."""
+"""fused_attention and attention_backward against F.scaled_dot_product_attention and its autograd, on the strided
+q/k/v the model passes."""
 
 import importlib
 
@@ -6,9 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.kernels.checks import assert_written_in_place, check, each_dtype, empty, nan_filled, rand, raises_value_error
-from tests.numerics import DTYPES
-from vit_triton.kernels import fused_attention
+from tests.kernels.checks import (
+    assert_written_in_place, check, each_dtype, empty, nan_filled, rand, raises_value_error, reference, tf32_emulated,
+    tf32_matmuls,
+)
+from tests.numerics import DTYPES, assert_close, rel_err
+from vit_triton.kernels import attention_backward, fused_attention
 
 ATTENTION = importlib.import_module("vit_triton.kernels.attention")   # the module; the package exports the function
 
@@ -213,8 +217,196 @@ def test_every_element_is_written_in_place(dtype):
     (dict(out=empty(2, 5, 2, 32, dtype=torch.float16)), "out must be torch.float32, got torch.float16"),
     (dict(scale=0.0), "scale must be positive, got 0.0"),
     (dict(scale=-0.125), "scale must be positive, got -0.125"),
+    (dict(lse=empty(2, 5, 2)), "lse must have shape (2, 2, 5), got (2, 5, 2)"),
+    (dict(lse=empty(2, 2, 5, dtype=torch.bfloat16)), "lse must be torch.float32, got torch.bfloat16"),
+    (dict(lse=empty(2, 5, 2).transpose(1, 2)), "lse must be contiguous, got strides (10, 1, 2)"),
 ])
 def test_bad_input(change, message):
-    args = dict(zip("qkv", qkv(2, 5, 2, 32, torch.float32)), out=None, scale=None) | change
+    args = dict(zip("qkv", qkv(2, 5, 2, 32, torch.float32)), out=None, scale=None, lse=None) | change
     with raises_value_error(message):
-        fused_attention(args["q"], args["k"], args["v"], out=args["out"], scale=args["scale"])
+        fused_attention(args["q"], args["k"], args["v"], out=args["out"], scale=args["scale"], lse=args["lse"])
+
+
+# The backward. Each test runs the forward with lse=, then attention_backward, against the gradients of SDPA by
+# torch autograd: in float64 on the CPU from the same inputs, and in the inputs' own precision for the 1.5x rule.
+
+def torch_gradients(scale=None, attention=None):
+    """fn(q, k, v, do) -> (dq, dk, dv) of attention (SDPA's by default) by torch autograd; q is expanded to do's
+    batch, so a q of batch 1 gets the gradient summed over the batch."""
+    attention = attention or torch_attention(scale)
+
+    def fn(q, k, v, do):
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        return torch.autograd.grad(attention(q.expand(do.shape[0], -1, -1, -1), k, v), (q, k, v), do)
+    return fn
+
+
+def output_gradient(batch, queries, heads, head_dim, dtype, strided):
+    """dL/do [B, Tq, H, Dh]: strided, the [B, H, Tq, Dh] layout of SDPA's gradients, transposed; else contiguous."""
+    if strided:
+        return rand(batch, heads, queries, head_dim, dtype=dtype).transpose(1, 2)
+    return rand(batch, queries, heads, head_dim, dtype=dtype)
+
+
+def backward(q, k, v, do, scale=None, **grads):
+    """Our forward (storing lse), then attention_backward: (dq, dk, dv)."""
+    lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device)
+    o = fused_attention(q, k, v, scale=scale, lse=lse)
+    return attention_backward(q, k, v, o, lse, do, scale=scale, **grads)
+
+
+def check_gradients(grads, q, k, v, do, scale=None, torch_fn=None):
+    """grads (dq, dk, dv) against the float64 reference; q as the reference takes it (batch 1 if expanded).
+    Returns the reference."""
+    fn = torch_gradients(scale)
+    refs, torch_grads = reference(fn, q, k, v, do), (torch_fn or fn)(q, k, v, do)
+    for ours, ref, theirs in zip(grads, refs, torch_grads):
+        assert_close(ours, ref, ours.dtype, theirs)
+    return refs
+
+
+LSE_SHAPES = [(3, 37, 37, 2, 64, torch.bfloat16, False), (1, 50, 50, 3, 80, torch.float32, False),
+              (3, 3, 50, 2, 72, torch.float16, True)]   # batch, queries, tokens, heads, head dim, dtype, expanded
+
+
+@pytest.mark.usefixtures("path")
+@pytest.mark.parametrize("batch, queries, tokens, heads, head_dim, dtype, expanded", LSE_SHAPES,
+                         ids=[f"B{b}-Tq{tq}-Tk{tk}-H{h}-Dh{d}-{str(dt)[6:]}{'-expanded' if e else ''}"
+                              for b, tq, tk, h, d, dt, e in LSE_SHAPES])
+def test_lse(batch, queries, tokens, heads, head_dim, dtype, expanded):
+    # log(sum_j exp(scale q.k_j)) in natural-log units, against float64; lse is float32 from the products the
+    # tensor cores give, whatever the inputs' dtype, so it is held to float32's 1e-5. Storing it changes nothing in o.
+    q, k, v = pool_qkv(batch, queries, tokens, heads, head_dim, dtype, expanded)
+    lse = nan_filled(batch, heads, queries, dtype=torch.float32)
+    assert torch.equal(fused_attention(q, k, v, lse=lse), fused_attention(q, k, v))
+    ref = torch.logsumexp(head_dim ** -0.5 * reference(lambda q, k: q.transpose(1, 2) @ k.permute(0, 2, 3, 1), q, k),
+                          dim=-1)
+    assert_close(lse, ref, torch.float32)
+
+
+# Pairs of sequence length and head dim (each length with two head dims, each head dim with two lengths), the
+# dtype cycling; batch x heads 1 x 3 and 3 x 2 (one head at 197, to keep the interpreter's time down); q, k, v and
+# do strided (views of one packed tensor; do transposed from [B, H, T, Dh]) or contiguous; the explicit scale.
+GRAD_SHAPES = [   # batch, tokens, heads, head dim, dtype, strided, scale
+    (1, 5, 3, 64, torch.float32, True, None), (3, 5, 2, 72, torch.bfloat16, False, None),
+    (3, 37, 2, 72, torch.float16, True, 0.3), (1, 37, 3, 80, torch.float32, False, None),
+    (1, 50, 3, 80, torch.bfloat16, True, 0.3), (3, 50, 2, 128, torch.float16, False, None),
+    (1, 197, 1, 128, torch.float32, True, None), (1, 197, 1, 64, torch.bfloat16, False, None),
+]
+
+
+@pytest.mark.parametrize("batch, tokens, heads, head_dim, dtype, strided, scale", GRAD_SHAPES,
+                         ids=[f"B{b}-T{t}-H{h}-Dh{d}-{str(dt)[6:]}-{'strided' if s else 'contiguous'}"
+                              f"{'' if sc is None else f'-scale{sc}'}" for b, t, h, d, dt, s, sc in GRAD_SHAPES])
+def test_gradients(batch, tokens, heads, head_dim, dtype, strided, scale):
+    q, k, v = qkv(batch, tokens, heads, head_dim, dtype, strided)
+    do = output_gradient(batch, tokens, heads, head_dim, dtype, strided)
+    check_gradients(backward(q, k, v, do, scale), q, k, v, do, scale)
+
+
+# Attention pooling: Tq learned queries (1 or 3) over Tk tokens, k and v views of one [B, Tk, 2, H, Dh] tensor; q
+# one set expanded over the batch (dq: its gradient, summed over the batch) or one per image.
+POOL_GRAD_SHAPES = [   # batch, queries, tokens, heads, head dim, dtype, expanded
+    (3, 1, 37, 2, 72, torch.float32, True), (3, 3, 50, 1, 64, torch.bfloat16, True),
+    (2, 3, 37, 2, 80, torch.float16, True), (3, 1, 50, 2, 64, torch.float16, False),
+]
+
+
+@pytest.mark.parametrize("batch, queries, tokens, heads, head_dim, dtype, expanded", POOL_GRAD_SHAPES,
+                         ids=[f"B{b}-Tq{tq}-Tk{tk}-H{h}-Dh{d}-{str(dt)[6:]}{'-expanded' if e else ''}"
+                              for b, tq, tk, h, d, dt, e in POOL_GRAD_SHAPES])
+def test_pool_gradients(batch, queries, tokens, heads, head_dim, dtype, expanded):
+    q, k, v = pool_qkv(batch, queries, tokens, heads, head_dim, dtype, expanded)
+    do = output_gradient(batch, queries, heads, head_dim, dtype, strided=True)
+    grads = backward(q, k, v, do)
+    assert grads[0].shape == (1 if expanded else batch, queries, heads, head_dim)
+    check_gradients(grads, q[:1] if expanded else q, k, v, do)
+
+
+@each_dtype
+def test_gradients_of_very_negative_scores(dtype):
+    # Every score of a row near -100: lse < -88, so exp(0 - lse) overflows float32. A key past T_K (37 keys: the
+    # last 5 in a masked block) that loads as zeros must still get P = 0, else dS is inf there and dS K NaN.
+    q = rand(2, 37, 2, 64, dtype=dtype, shift=-13.0)
+    k, v = rand(2, 37, 2, 2, 64, dtype=dtype, scale=0.3, shift=1.0).unbind(2)
+    do = output_gradient(2, 37, 2, 64, dtype, strided=False)
+    check_gradients(backward(q, k, v, do), q, k, v, do)
+
+
+@each_dtype
+def test_gradients_written_in_place(dtype):
+    # dq, dk, dv: three views of one packed [B, T, 3, H, Dh] gradient (the QKV GEMM output's), NaN-filled, inside a
+    # buffer of one more head, which must stay NaN (a store past Dh or past the last head would land there).
+    batch, tokens, heads, head_dim = 2, 37, 2, 80
+    q, k, v = qkv(batch, tokens, heads, head_dim, dtype)
+    do = output_gradient(batch, tokens, heads, head_dim, dtype, strided=False)
+    buffer = nan_filled(batch, tokens, 3, heads + 1, head_dim, dtype=dtype)
+    packed = buffer[:, :, :, :heads]
+    views = packed.unbind(2)
+    grads = backward(q, k, v, do, **dict(zip(("dq", "dk", "dv"), views)))
+    assert all(g.data_ptr() == t.data_ptr() and g.shape == t.shape for g, t in zip(grads, views))
+    assert not packed.isnan().any(), "elements of dq, dk or dv were left unwritten"
+    assert buffer[:, :, :, heads].isnan().all(), "elements outside dq, dk and dv were written"
+    check_gradients(grads, q, k, v, do)
+
+
+class _Tf32Matmul(torch.autograd.Function):
+    """a @ b with its operands rounded to tf32, and so the two products of its backward: cuBLAS's tf32 matmuls."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return tf32_emulated(a) @ tf32_emulated(b)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        grad = tf32_emulated(grad)
+        return grad @ tf32_emulated(b.mT), tf32_emulated(a.mT) @ grad
+
+
+def tf32_attention(q, k, v):
+    """PyTorch's attention with tf32 matmuls, forward and backward (the math backend's products, each rounded)."""
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    p = (_Tf32Matmul.apply(q, k.mT) * q.shape[-1] ** -0.5).softmax(-1)
+    return _Tf32Matmul.apply(p, v).transpose(1, 2)
+
+
+def test_tf32_gradients():
+    # float32 under torch.set_float32_matmul_precision("high"): held to 1.5x the error of PyTorch's attention on
+    # tf32 matmuls, emulated on every device (operands rounded to nearest tf32, as cuBLAS does; which SDPA backend
+    # a GPU picks in float32, and whether it uses tf32, is PyTorch's choice).
+    q, k, v = qkv(1, 37, 2, 64, torch.float32)
+    do = output_gradient(1, 37, 2, 64, torch.float32, strided=True)
+    with tf32_matmuls():
+        refs = check_gradients(backward(q, k, v, do), q, k, v, do, torch_fn=torch_gradients(attention=tf32_attention))
+    # The backward's own products follow the setting: from one exact forward's o and lse, its error with tf32
+    # (about 1e-3) is far above its error with exact products (about 1e-7).
+    lse = torch.empty(1, 2, 37, device=q.device)
+    o = fused_attention(q, k, v, lse=lse)
+    with tf32_matmuls():
+        tf32_grads = attention_backward(q, k, v, o, lse, do)
+    for tf32_grad, exact_grad, ref in zip(tf32_grads, attention_backward(q, k, v, o, lse, do), refs):
+        assert rel_err(tf32_grad, ref) > 100 * rel_err(exact_grad, ref)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(lse=empty(2, 5, 2)), "lse must have shape (2, 2, 5), got (2, 5, 2)"),
+    (dict(lse=empty(2, 2, 5, dtype=torch.bfloat16)), "lse must be torch.float32, got torch.bfloat16"),
+    (dict(do=empty(2, 4, 2, 32)), "do must have shape (2, 5, 2, 32), got (2, 4, 2, 32)"),
+    (dict(do=empty(2, 5, 2, 32, dtype=torch.float16)), "do must be torch.float32, got torch.float16"),
+    (dict(o=empty(2, 5, 32, 2).transpose(2, 3)),
+     "o must have unit stride along the head dim, got strides (320, 64, 1, 2)"),
+    (dict(dq=empty(2, 5, 2, 16)), "dq must have shape (2, 5, 2, 32), got (2, 5, 2, 16)"),
+    (dict(q=empty(1, 5, 2, 32).expand(2, -1, -1, -1), dq=empty(2, 5, 2, 32)),
+     "dq must have shape (1, 5, 2, 32), got (2, 5, 2, 32)"),
+    (dict(dk=empty(2, 5, 2, 32, dtype=torch.bfloat16)), "dk must be torch.float32, got torch.bfloat16"),
+    (dict(dv=empty(2, 4, 2, 32)), "dv must have shape (2, 5, 2, 32), got (2, 4, 2, 32)"),
+    (dict(scale=0.0), "scale must be positive, got 0.0"),
+])
+def test_backward_bad_input(change, message):
+    args = dict(zip("qkv", qkv(2, 5, 2, 32, torch.float32)), o=empty(2, 5, 2, 32), lse=empty(2, 2, 5),
+                do=empty(2, 5, 2, 32), scale=None, dq=None, dk=None, dv=None) | change
+    inputs = [args.pop(name) for name in ("q", "k", "v", "o", "lse", "do")]
+    with raises_value_error(message):
+        attention_backward(*inputs, **args)

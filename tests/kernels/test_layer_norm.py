@@ -1,14 +1,21 @@
 """layer_norm and add_layer_norm (a split GEMM's partial sums added first) against F.layer_norm, and as RMSNorm
-against F.rms_norm, each with and without bias; layer_norm with a table added after the norm (post_add)."""
+against F.rms_norm, each with and without bias; layer_norm with a table added after the norm (post_add); its
+statistics for the backward, and layer_norm_backward against torch autograd."""
 
+import importlib
 import itertools
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.kernels.checks import assert_written_in_place, check, each_dtype, empty, nan_filled, rand, raises_value_error
-from vit_triton.kernels import add_layer_norm, layer_norm
+from tests.kernels.checks import (
+    assert_written_in_place, check, check_grads, each_dtype, empty, nan_filled, rand, raises_value_error,
+)
+from tests.numerics import assert_close
+from vit_triton.kernels import add_layer_norm, layer_norm, layer_norm_backward
+
+LAYER_NORM = importlib.import_module("vit_triton.kernels.layer_norm")   # the module; the package exports functions
 
 
 def torch_layer_norm(eps):
@@ -167,3 +174,132 @@ def test_bad_input(change, message):
     args = dict(zip("xwb", inputs(5, 12, torch.float32)), out=None) | change
     with raises_value_error(message):
         layer_norm(args["x"], args["w"], args["b"], 1e-6, out=args["out"])
+
+
+def forward_with_stats(x, w, b, eps, rms, post_add=None):
+    """layer_norm's output and its statistics for the backward."""
+    stats = torch.full((2, x.shape[0]), float("nan"), device=x.device)
+    return layer_norm(x, w, b, eps, rms=rms, post_add=post_add, stats=stats), stats
+
+
+@each_dtype
+@NORMS
+def test_stats(dtype, rms, bias):
+    # The output is the one without stats, bit for bit; the stats are the row's mean (0 for RMSNorm) and
+    # 1 / sqrt(var + eps) (or of mean(x^2) + eps), in float32 whatever x's dtype.
+    x, w, b = inputs(37, 769, dtype, row_stride=777)
+    b = b if bias else None
+    y, stats = forward_with_stats(x, w, b, 1e-5, rms)
+    torch.testing.assert_close(y, layer_norm(x, w, b, 1e-5, rms=rms), rtol=0, atol=0)
+    x64 = x.double().cpu()
+    mean = torch.zeros_like(x64[:, 0]) if rms else x64.mean(1)
+    rstd = ((x64 - mean[:, None]).square().mean(1) + 1e-5).rsqrt()
+    if rms:
+        assert (stats[0] == 0).all()
+    else:
+        assert_close(stats[0], mean, torch.float32)
+    assert_close(stats[1], rstd, torch.float32)
+
+
+def backward(x, w, b, eps, rms, dy, **options):
+    _, stats = forward_with_stats(x, w, b, eps, rms)
+    return layer_norm_backward(dy, x, w, stats, rms=rms, has_bias=b is not None, **options)
+
+
+@each_dtype
+@pytest.mark.parametrize("rms, bias, m, d, row_stride", [
+    (False, True, 1, 45, None), (False, True, 37, 769, 777), (True, False, 3, 80, None), (True, True, 37, 45, 51),
+    (False, False, 3, 769, None),
+], ids=["layer-1x45", "layer-strided-37x769", "rms-3x80", "rms-bias-strided-37x45", "layer-no-bias-3x769"])
+def test_backward(dtype, rms, bias, m, d, row_stride):
+    x, w, b = inputs(m, d, dtype, row_stride)
+    b = b if bias else None
+    dy = rand(m, row_stride or d, dtype=dtype)[:, :d]   # rows apart as x's, when x's are
+    dx, dw, db, dpost = backward(x, w, b, 1e-6, rms, dy)
+    assert dpost is None and (db is None) == (b is None)
+    check_grads((dx, dw, db), torch_norm(1e-6, rms), dy, x, w, b)
+
+
+@each_dtype
+@pytest.mark.parametrize("rms, bias, m, rows, d", [(True, False, 45, 15, 45), (False, True, 74, 37, 769),
+                                                  (True, True, 5, 1, 80)], ids=["rms", "layer", "rms-bias-one-row"])
+def test_backward_post_add(dtype, rms, bias, m, rows, d):
+    # The table's gradient: row r sums dy over the rows m with m % R == r (every image's patch r).
+    x, w, b = inputs(m, d, dtype)
+    b = b if bias else None
+    table, dy = rand(rows, d, dtype=dtype), rand(m, d, dtype=dtype)
+    _, stats = forward_with_stats(x, w, b, 1e-6, rms, post_add=table)
+    grads = layer_norm_backward(dy, x, w, stats, rms=rms, has_bias=bias, post_add_rows=rows)
+    check_grads(grads, lambda x, w, b, t: torch_norm(1e-6, rms)(x, w, b) + t.repeat(m // rows, 1), dy, x, w, b, table)
+
+
+NEEDS = ("need_dx", "need_dweight", "need_dbias")
+
+
+@pytest.mark.parametrize("post_add_rows", [0, 5])
+@pytest.mark.parametrize("needs", [(True, False, False), (False, True, False), (False, False, True),
+                                   (False, True, True), (False, False, False)], ids=["dx", "dw", "db", "dw-db", "none"])
+def test_backward_computes_only_what_is_needed(monkeypatch, needs, post_add_rows):
+    # What is not needed is None and its work is compiled out (the kernel's flags and pointers); what is needed is
+    # what the full call gives, bit for bit (the same programs sum the same rows: deterministic).
+    x, w, b = inputs(35, 80, torch.bfloat16)
+    dy = rand(35, 80, dtype=torch.bfloat16)
+    full = backward(x, w, b, 1e-6, False, dy, post_add_rows=post_add_rows)
+    launches = []
+    kernel = LAYER_NORM._layer_norm_backward_kernel
+    run = kernel.run
+    monkeypatch.setattr(kernel, "run", lambda *args, **kwargs: launches.append((args, kwargs)) or run(*args, **kwargs))
+    grads = backward(x, w, b, 1e-6, False, dy, post_add_rows=post_add_rows, **dict(zip(NEEDS, needs)))
+    for needed, ours, whole in zip((*needs, post_add_rows > 0), grads, full):
+        assert (ours is None) != needed
+        if needed:
+            torch.testing.assert_close(ours, whole, rtol=0, atol=0)
+    if not any(needs) and not post_add_rows:
+        assert not launches
+        return
+    [(args, kwargs)] = launches
+    launch = dict(zip(kernel.arg_names, args)) | kwargs
+    sum_dy = needs[2] or post_add_rows > 0   # the table's gradient sums dy too
+    assert (launch["NEED_DX"], launch["NEED_DW"], launch["SUM_DY"], launch["PER_ROW"]) == (
+        needs[0], needs[1], sum_dy, post_add_rows > 0)
+    for flag, pointer in zip((needs[0], needs[1], sum_dy), ("dx_ptr", "dw_ptr", "dsum_ptr")):
+        assert (launch[pointer] is None) != flag, pointer
+
+
+@pytest.mark.parametrize("in_dy", [False, True], ids=["buffer", "over-dy"])
+def test_backward_dx_in_place(in_dy):
+    # dx into a strided view of a NaN-filled buffer (every element written, nothing outside), or over dy itself.
+    x, w, b = inputs(37, 80, torch.float32)
+    dy = rand(37, 80, dtype=torch.float32)
+    expected, *_ = backward(x, w, b, 1e-6, False, dy)
+    buffer = nan_filled(37, 83, dtype=torch.float32)
+    out = dy if in_dy else buffer[:, 1:81]
+    dx, *_ = backward(x, w, b, 1e-6, False, dy.clone() if not in_dy else dy, dx=out)
+    if not in_dy:
+        assert_written_in_place(dx, out, buffer)
+    assert dx.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(dx, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(dy=empty(5, 11)), "dy must have shape (5, 12), got (5, 11)"),
+    (dict(dy=empty(5, 12, dtype=torch.bfloat16)), "dy must be torch.float32, got torch.bfloat16"),
+    (dict(dy=empty(12, 5).t()), "dy must have unit stride along D, got strides (1, 5)"),
+    (dict(stats=empty(5, 2)), "stats must have shape (2, 5), got (5, 2)"),
+    (dict(stats=empty(2, 5, dtype=torch.bfloat16)), "stats must be torch.float32, got torch.bfloat16"),
+    (dict(stats=empty(5, 2).t()), "stats must be contiguous, got strides (1, 2)"),
+    (dict(post_add_rows=2), "post_add_rows must be 0 or divide the 5 rows of x, got 2"),
+    (dict(dx=empty(5, 12, dtype=torch.float16)), "dx must be torch.float32, got torch.float16"),
+    (dict(dx=empty(12, 5).t()), "dx must have unit stride along D, got strides (1, 5)"),
+])
+def test_backward_bad_input(change, message):
+    x, w, _ = inputs(5, 12, torch.float32)
+    args = dict(dy=empty(5, 12), stats=empty(2, 5), post_add_rows=0, dx=None) | change
+    with raises_value_error(message):
+        layer_norm_backward(args["dy"], x, w, args["stats"], post_add_rows=args["post_add_rows"], dx=args["dx"])
+
+
+def test_stats_bad_input():
+    x, w, b = inputs(5, 12, torch.float32)
+    with raises_value_error("stats must have shape (2, 5), got (2, 6)"):
+        layer_norm(x, w, b, 1e-6, stats=empty(2, 6))

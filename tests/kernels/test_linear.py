@@ -1,7 +1,8 @@
 """linear: y = scale * (act(x @ W^T + b) [+ residual]) against F.linear and PyTorch's activations (swiglu: F.silu of
 the gate's rows times the value's), through each of its two kernels (the plain one for matrices that are not 16-byte
 aligned, the TMA one for those that are); linear_partials and split_k (split K); whole_wave_rows (a short last
-wave's rows launched apart)."""
+wave's rows launched apart); training's forward outputs (pre_out, col_scale, row_scale) and linear_backward against
+torch autograd of the same composed function."""
 
 import importlib
 import itertools
@@ -18,16 +19,17 @@ from tests.kernels.checks import (
     raises_value_error, reference, tf32_emulated, tf32_matmuls,
 )
 from tests.numerics import DEVICE, DTYPES, assert_close
-from vit_triton.kernels import ACTIVATIONS, linear, linear_partials, split_k
+from vit_triton.kernels import ACTIVATIONS, linear, linear_backward, linear_partials, split_k
 from vit_triton.kernels import activation as ACTIVATION
 from vit_triton.kernels import tf32 as TF32
 from vit_triton.kernels.common import sm_count
 from vit_triton.kernels.tuning import Config
 from vit_triton.kernels.linear import (
-    FLOAT32, INTERPRETER, LARGE_M, MAX_SPLITS, PLAIN, PLAIN_FLOAT32, SMALL_M, SPLIT_MAX_TILES, SPLIT_MIN_DEPTH,
+    BACKWARD, FLOAT32, INTERPRETER, LARGE_M, MAX_SPLITS, PLAIN, PLAIN_FLOAT32, SMALL_M, SPLIT_MAX_TILES, SPLIT_MIN_DEPTH,
     SPLIT_PROGRAMS, SPLIT_TILE, TINY_M, whole_wave_rows,
 )
 from vit_triton.kernels.tf32 import TF32_WEIGHT_ROWS
+from vit_triton.model.reference import activation as reference_activation
 from vit_triton.model.reference import rope_reference
 
 LINEAR = importlib.import_module("vit_triton.kernels.linear")   # the module; the package exports the function
@@ -94,9 +96,10 @@ def output(m, n, dtype, kernel):
 
 @pytest.fixture
 def ran(monkeypatch):
-    """The names of the linear kernels launched during the test, in order."""
+    """The names of the linear kernels (forward and backward GEMMs) launched during the test, in order."""
     names = []
-    for kernel in (LINEAR._linear_plain_kernel, LINEAR._linear_tma_kernel):
+    for kernel in (LINEAR._linear_plain_kernel, LINEAR._linear_tma_kernel, LINEAR._linear_backward_plain_kernel,
+                   LINEAR._linear_backward_tma_kernel):
         run = kernel.run
         monkeypatch.setattr(kernel, "run", lambda *args, run=run, name=kernel.fn.__name__, **kwargs:
                             names.append(name) or run(*args, **kwargs))
@@ -533,3 +536,322 @@ def test_the_kernel_follows_the_alignment(layout, kernel, ran):
     x, w, r, out = matrices.values()
     check(linear(x, w, b, residual=r, out=out), torch_linear("none"), x, w, b, r)
     assert set(ran) == {KERNEL_NAMES[kernel]}
+
+
+
+# ------------------------------------------------------------------------------------------------------ training
+# The forward's training outputs, and linear_backward against torch autograd of the same composed function,
+# y = scale * (r * gamma * act(x' @ W^T + b) + residual) with x' = x_act(x_pre) (the fused MLP backward): in float64 on
+# the CPU from the very same inputs, and in the inputs' precision for the 16-bit rule. The plain kernel's cases have
+# widths no TMA descriptor can read (45, 53, 769: dz, dx and dW are made contiguous), the TMA kernel's widths of 8k.
+
+BACKWARD_NAMES = {"plain": "_linear_backward_plain_kernel", "tma": "_linear_backward_tma_kernel"}
+KEEP = 0.8   # drop path's keep probability: 1 / KEEP = 1.25, exact in every dtype
+
+
+def drop_path_scale(m):
+    """row_scale [m] float32: 0 or 1 / KEEP a row, both present."""
+    keep = torch.rand(m, device=DEVICE) < KEEP
+    keep[0], keep[-1] = True, m == 1
+    return keep.float() / KEEP
+
+
+def composed(act="none", scale=1.0, x_act="none", matmul=F.linear):
+    """PyTorch's sequence of ops for linear (gamma: col_scale, r: row_scale) and its input's activation, each rounding
+    to the inputs' precision as a PyTorch model would. matmul: F.linear, or TF32Linear.apply."""
+    def fn(x, w, b=None, gamma=None, r=None, residual=None):
+        if x_act != "none":
+            x = reference_activation(x, x_act)
+        y = reference_activation(matmul(x, w, b), act)
+        if gamma is not None:
+            y = y * gamma
+        if r is not None:
+            y = y * r[:, None].to(y.dtype)
+        return scale * (y if residual is None else y + residual)
+    return fn
+
+
+class TF32Linear(torch.autograd.Function):
+    """F.linear whose three matmuls (forward, dx, dW) take operands rounded to tf32, as cuBLAS's on tf32 does: PyTorch's
+    own tf32 result on a CPU, which has none."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(x, w)
+        return F.linear(tf32_emulated(x), tf32_emulated(w), b)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        rounded = tf32_emulated(dy)
+        return rounded @ tf32_emulated(w), rounded.t() @ tf32_emulated(x), dy.sum(0)
+
+
+def check_gradients(grads: dict, fn, dy, torch_fn=None, **inputs):
+    """Each gradient of grads (input name -> ours) against torch autograd of fn(**inputs) along dy: float64 on the CPU
+    for the reference, the inputs' precision on DEVICE for PyTorch's own (through torch_fn where given)."""
+    def autograd(convert, fn):
+        leaves = {name: None if t is None else convert(t).detach().requires_grad_(name in grads)
+                  for name, t in inputs.items()}
+        return torch.autograd.grad(fn(**leaves), [leaves[name] for name in grads], convert(dy))
+
+    ref = autograd(lambda t: t.to("cpu", torch.float64), fn)
+    torch_out = autograd(lambda t: t, torch_fn or fn)
+    for (name, ours), expected, theirs in zip(grads.items(), ref, torch_out):
+        assert ours is not None and ours.dtype == inputs[name].dtype and ours.shape == inputs[name].shape, name
+        try:
+            assert_close(ours, expected, ours.dtype, theirs)
+        except AssertionError as error:
+            raise AssertionError(f"d{name}: {error}") from None
+
+
+def backward_inputs(m, n, k, dtype, kernel, gated=False):
+    """x [m, k], weight [n, k] ([2n, k] gated), bias, dy [m, n], the matrices laid out for that kernel."""
+    x, w, b, _ = inputs(m, n, k, dtype, residual=False, kernel=kernel, gated=gated)
+    return x, w, b, laid_out(rand(m, n, dtype=dtype), kernel)
+
+
+# (activation, with col_scale): two a dtype and kernel, in turn; every case has a row scale, a residual and a scale.
+FORWARD_EXTRAS = [("none", True), ("none", False), ("gelu", False), ("swiglu", False), ("quick_gelu", False)]
+FORWARD_CASES = [(dtype, kernel, *case) for i, (dtype, kernel) in enumerate(itertools.product(DTYPES, ("plain", "tma")))
+                 for case in FORWARD_EXTRAS[i % 4: i % 4 + 2]]
+
+
+@pytest.mark.parametrize("dtype, kernel, act, col_scale", FORWARD_CASES,
+                         ids=[f"{str(d)[6:]}-{k}-{a}{'-gamma' if c else ''}" for d, k, a, c in FORWARD_CASES])
+def test_forward_training_outputs(dtype, kernel, act, col_scale, ran):
+    # pre_out holds z = x W^T + b rounded (before the activation), and y the column and row scales applied before the
+    # residual and the scale; through each kernel and each whole-wave part of a launch (70 rows: 64 + 6 under the
+    # interpreter, at every kernel's tile).
+    m, n, k = 70, 40 if kernel == "tma" else 45, 53
+    gated = act == "swiglu"
+    x, w, b, r = inputs(m, n, k, dtype, kernel=kernel, gated=gated)
+    gamma = rand(n, dtype=dtype, shift=1.0) if col_scale else None
+    rows = drop_path_scale(m)
+    pre = output(m, w.shape[0], dtype, kernel)
+    y = linear(x, w, b, activation=act, residual=r, scale=0.5, col_scale=gamma, row_scale=rows, pre_out=pre,
+               out=output(m, n, dtype, kernel))
+    check(y, composed(act, 0.5), x, w, b, gamma, rows, r)
+    check(pre, F.linear, x, w, b)
+    assert set(ran) == {KERNEL_NAMES[kernel]}
+
+
+# (activation, dtype, kernel, (m, n, k)): every activation in every dtype, the kernels and shapes in turn; "none"
+# takes gamma, the row scale and the output scale, with d gamma.
+BACKWARD_SHAPES = {"plain": [(37, 45, 53), (1, 45, 53), (197, 45, 53), (3, 45, 769), (37, 45, 53)],
+                   "tma": [(37, 80, 96), (197, 96, 80), (3, 72, 40)]}
+BACKWARD_CASES = [(act, dtype, kernel, BACKWARD_SHAPES[kernel][(3 * i + j) // 2 % len(BACKWARD_SHAPES[kernel])])
+                  for i, act in enumerate(ACTIVATIONS) for j, dtype in enumerate(DTYPES)
+                  for kernel in [("plain", "tma")[(i + j) % 2]]]
+
+
+@pytest.mark.parametrize("act, dtype, kernel, shape", BACKWARD_CASES,
+                         ids=[f"{a}-{str(d)[6:]}-{k}-{'x'.join(map(str, s))}" for a, d, k, s in BACKWARD_CASES])
+def test_backward(act, dtype, kernel, shape, ran):
+    m, n, k = shape
+    x, w, b, dy = backward_inputs(m, n, k, dtype, kernel, gated=act == "swiglu")
+    if act == "none":
+        gamma, rows, scale, pre = rand(n, dtype=dtype, shift=1.0), drop_path_scale(m), 0.5, None
+    else:   # the forward's pre_out, as training keeps it
+        gamma, rows, scale, pre = None, None, 1.0, torch.empty(m, w.shape[0], device=DEVICE, dtype=dtype)
+        linear(x, w, b, activation=act, pre_out=pre)
+    ran.clear()
+    dx, dw, db, dgamma = linear_backward(dy, x, w, bias=b, activation=act, pre=pre, scale=scale, col_scale=gamma,
+                                         row_scale=rows, need_col_scale=True)
+    grads = dict(x=dx, w=dw, b=db) | ({} if gamma is None else dict(gamma=dgamma))
+    check_gradients(grads, composed(act, scale), dy, x=x, w=w, b=b, gamma=gamma, r=rows)
+    assert set(ran) == {BACKWARD_NAMES[kernel]} and (dgamma is None) == (gamma is None)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning")
+@pytest.mark.parametrize("act", ACTIVATIONS[1:])
+def test_activation_grad_over_its_range(act):
+    # Each derivative at 257 * 16 points of [-12, 12] in float32 (swiglu: gates there, values in [-2, 2]), as dx of
+    # linear_backward with an identity weight and dy of ones, held to float64 autograd within 1e-6 + 4e-6 |d|.
+    pre = torch.linspace(-12, 12, 257 * 16, device=DEVICE).view(257, 16)
+    if act == "swiglu":
+        pre = interleaved(pre.t(), torch.linspace(-2, 2, 257 * 16, device=DEVICE).view(16, 257)).t().contiguous()
+    eye = torch.eye(pre.shape[1], device=DEVICE)
+    dy = torch.ones(257, 16, device=DEVICE)
+    dpre, *_ = linear_backward(dy, pre, eye, activation=act, pre=pre, need_dweight=False, allow_tf32=False)
+    ref = pre.double().requires_grad_()
+    expected, = torch.autograd.grad(reference_activation(ref, act), ref, dy.double())
+    torch.testing.assert_close(dpre.double(), expected, atol=1e-6, rtol=4e-6)
+
+
+# Rotary embeddings' backward: dz is dy turned back by the inverse rotation. Both pair layouts, 0 and 1 prefix tokens,
+# tables shared or one a head, each dtype and kernel in turn; head dims 16 and 64 (half: the tile widened to a head).
+ROPE_BACKWARD_CASES = [(half, prefix, (16, 64)[(i + half) % 2], DTYPES[(2 * half + i) % 3], i % 2 == half,
+                        ("plain", "tma")[(half + i) % 2]) for half in (False, True) for i, prefix in enumerate((0, 1))]
+
+
+@pytest.mark.parametrize("half, prefix, head_dim, dtype, per_head, kernel", ROPE_BACKWARD_CASES,
+                         ids=[f"{'half' if h else 'interleaved'}-prefix{p}-Dh{d}-{str(dt)[6:]}"
+                              f"{'-per-head' if ph else ''}-{k}" for h, p, d, dt, ph, k in ROPE_BACKWARD_CASES])
+def test_rope_backward(half, prefix, head_dim, dtype, per_head, kernel, ran):
+    heads, tokens = 2, 21
+    x, w, b, dy = backward_inputs(2 * tokens, 3 * heads * head_dim, 40 if kernel == "tma" else 53, dtype, kernel)
+    cos, sin = rope_tables(tokens - prefix, head_dim, heads if per_head else None)
+    dx, dw, db, _ = linear_backward(dy, x, w, bias=b, rope=(cos, sin), rope_half=half, rope_prefix=prefix)
+    check_gradients(dict(x=dx, w=dw, b=db), torch_rope_linear(tokens, heads, half, prefix), dy, x=x, w=w, b=b,
+                    cos=cos, sin=sin)
+    assert set(ran) == {BACKWARD_NAMES[kernel]}
+
+
+# The fused MLP backward (fc2 of fc1 -> act -> fc2): dx is d x_pre = (dz W) * act'(x_pre), made in the dX product's
+# epilogue, and x, when None, is recomputed from x_pre there for the dW product; with gamma and the row scale, as
+# ops.mlp passes them, in every other case.
+FUSED_CASES = [(act, x_given, DTYPES[(i + x_given) % 3], ("plain", "tma")[(i + x_given) % 2])
+               for i, act in enumerate(ACTIVATIONS[1:]) for x_given in (False, True)]
+
+
+@pytest.mark.parametrize("act, x_given, dtype, kernel", FUSED_CASES,
+                         ids=[f"{a}-{'x' if x else 'x-recomputed'}-{str(d)[6:]}-{k}" for a, x, d, k in FUSED_CASES])
+def test_fused_mlp_backward(act, x_given, dtype, kernel, ran):
+    m, n, k = (37, 45, 53) if kernel == "plain" else (37, 40, 48)
+    x_pre = laid_out(rand(m, 2 * k if act == "swiglu" else k, dtype=dtype), kernel)
+    _, w, b, dy = backward_inputs(m, n, k, dtype, kernel)
+    scaled = x_given != (act == "swiglu")
+    gamma, rows = (rand(n, dtype=dtype, shift=1.0), drop_path_scale(m)) if scaled else (None, None)
+    x = laid_out(reference_activation(x_pre, act), kernel) if x_given else None
+    dx_pre, dw, db, dgamma = linear_backward(dy, x, w, bias=b, col_scale=gamma, row_scale=rows, x_activation=act,
+                                             x_pre=x_pre, need_col_scale=True)
+    check_gradients(dict(x=dx_pre, w=dw, b=db) | (dict(gamma=dgamma) if scaled else {}), composed(x_act=act), dy,
+                    x=x_pre, w=w, b=b, gamma=gamma, r=rows)
+    assert set(ran) == {BACKWARD_NAMES[kernel]}
+
+
+@pytest.fixture
+def backward_launches(monkeypatch):
+    """The constexpr flags of each backward product launched during the test, in order."""
+    launches = []
+    for kernel in (LINEAR._linear_backward_plain_kernel, LINEAR._linear_backward_tma_kernel):
+        run = kernel.run
+        monkeypatch.setattr(kernel, "run", lambda *args, run=run, **kwargs: launches.append(kwargs)
+                            or run(*args, **kwargs))
+    return launches
+
+
+def test_backward_computes_only_what_is_needed(backward_launches):
+    # None for each gradient not needed, and no product for it: a frozen weight, a bias alone (dz's column sums, no
+    # product), gamma alone (the dW product without its store), x recomputed for the dW product without dx.
+    m, n, k = 37, 45, 53
+    x, w, b, dy = backward_inputs(m, n, k, torch.float32, "plain")
+    gamma = rand(n, dtype=torch.float32, shift=1.0)
+    cases = [   # (arguments, the gradient expected, the launches as (DW, STORE_OUT))
+        (dict(need_dweight=False, need_dbias=False), "x", [(False, True)]),
+        (dict(need_dx=False, need_dweight=False), "b", []),
+        (dict(need_dx=False, need_dweight=False, need_dbias=False, need_col_scale=True), "gamma", [(True, False)]),
+        (dict(need_dx=False, need_dbias=False, x_activation="gelu"), "w", [(False, False), (True, True)]),
+    ]
+    for need, expected, launched in cases:
+        backward_launches.clear()
+        fused = "x_activation" in need   # this layer's input is gelu(x), recomputed
+        grads = linear_backward(dy, None if fused else x, w, bias=b, col_scale=None if fused else gamma,
+                                x_pre=x if fused else None, **need)
+        assert [name for name, g in zip(("x", "w", "b", "gamma"), grads) if g is not None] == [expected], need
+        assert [(launch["DW"], launch["STORE_OUT"]) for launch in backward_launches] == launched, need
+        fn = composed(x_act="gelu" if fused else "none")
+        check_gradients({expected: next(g for g in grads if g is not None)}, fn, dy, x=x, w=w, b=b,
+                        gamma=None if fused else gamma)
+
+
+@pytest.mark.parametrize("dtype, kernel", [(torch.float32, "plain"), (torch.bfloat16, "tma")], ids=["float32-plain",
+                                                                                              "bfloat16-tma"])
+def test_dweight_product_split_over_rows(dtype, kernel, backward_launches, ran, monkeypatch):
+    # One tile of dW (21 x 20, or 24 x 24 for TMA) and 197 rows: cut into slices of at least 32 rows (here, and on a
+    # GPU), their fp32 partial sums (dW's, d gamma's) added in one order, so the same bits every run; dbias alone is
+    # dz's column sums, with no product.
+    monkeypatch.setattr(LINEAR, "DW_SPLIT_MIN_ROWS", 32)
+    m, n, k = (197, 21, 20) if kernel == "plain" else (197, 24, 24)
+    x, w, b, dy = backward_inputs(m, n, k, dtype, kernel)
+    gamma, rows = rand(n, dtype=dtype, shift=1.0), drop_path_scale(m)
+    grads = linear_backward(dy, x, w, bias=b, col_scale=gamma, row_scale=rows, need_col_scale=True)
+    assert [launch["SPLIT"] > 1 for launch in backward_launches] == [False, True]
+    again = linear_backward(dy, x, w, bias=b, col_scale=gamma, row_scale=rows, need_col_scale=True)
+    assert all(torch.equal(first, second) for first, second in zip(grads, again))
+    check_gradients(dict(zip(("x", "w", "b", "gamma"), grads)), composed(), dy, x=x, w=w, b=b, gamma=gamma, r=rows)
+    backward_launches.clear()
+    _, _, dbias, _ = linear_backward(dy, x, w, bias=b, col_scale=gamma, row_scale=rows, need_dx=False,
+                                     need_dweight=False)
+    assert backward_launches == []
+    check_gradients(dict(b=dbias), composed(), dy, x=x, w=w, b=b, gamma=gamma, r=rows)
+    assert set(ran) == {BACKWARD_NAMES[kernel]}
+
+
+@pytest.mark.parametrize("kernel, dtype", [("tma", torch.bfloat16), ("tma", torch.float32), ("plain", torch.float16),
+                                           ("plain", torch.float32)],
+                         ids=["tma-bfloat16", "tma-float32", "plain-float16", "plain-float32"])
+def test_every_backward_candidate_config(kernel, dtype, monkeypatch, ran):
+    # Each launch config a GPU's tuner may pick for the backward products, alone, at a shape none of its tiles
+    # divides, with every epilogue at work: d x_pre and x recomputed (dX), gamma, dbias and d gamma (dW). On a GPU:
+    # each compiles, and fits in shared memory.
+    m, n, k = 133, 72, 56
+    x_pre = laid_out(rand(m, k, dtype=dtype), kernel)
+    _, w, b, dy = backward_inputs(m, n, k, dtype, kernel)
+    gamma = rand(n, dtype=dtype, shift=1.0)
+    if kernel == "plain":
+        configs = PLAIN_FLOAT32 if dtype == torch.float32 else PLAIN
+    else:
+        configs = FLOAT32 if dtype == torch.float32 else BACKWARD
+    for config in configs:
+        monkeypatch.setattr(LINEAR, "_backward_candidates", lambda tma, element, config=config: [config])
+        grads = linear_backward(dy, None, w, bias=b, col_scale=gamma, x_activation="gelu", x_pre=x_pre,
+                                need_col_scale=True)
+        check_gradients(dict(zip(("x", "w", "b", "gamma"), grads)), composed(x_act="gelu"), dy, x=x_pre, w=w, b=b,
+                        gamma=gamma)
+    assert set(ran) == {BACKWARD_NAMES[kernel]}
+
+
+@pytest.mark.parametrize("act, kernel", [("none", "plain"), ("gelu", "tma")])
+def test_backward_float32_on_tf32(act, kernel, ran):
+    # float32 with PyTorch's matmuls on tf32: allow_tf32 None follows it. Held to 1.5x PyTorch's own error (on a CPU,
+    # emulated: each matmul's operands rounded to tf32, TF32Linear).
+    m, n, k = (37, 45, 53) if kernel == "plain" else (37, 40, 48)
+    x, w, b, dy = backward_inputs(m, n, k, torch.float32, kernel)
+    gamma = rand(n, dtype=torch.float32, shift=1.0) if act == "none" else None
+    pre = None if act == "none" else linear(x, w, b, allow_tf32=False)
+    ran.clear()
+    torch_fn = composed(act, matmul=F.linear if DEVICE.type == "cuda" else TF32Linear.apply)
+    with tf32_matmuls():
+        dx, dw, db, dgamma = linear_backward(dy, x, w, bias=b, activation=act, pre=pre, col_scale=gamma,
+                                             need_col_scale=True)
+        check_gradients(dict(x=dx, w=dw) | (dict(gamma=dgamma) if gamma is not None else {}), composed(act),
+                        dy, torch_fn, x=x, w=w, b=b, gamma=gamma)
+    # db takes no product, only column sums of float32 values, ours and PyTorch's each in its own order: the float32
+    # rule (exact matmuls), not 1.5x PyTorch's error of a few ulps
+    check_gradients(dict(b=db), composed(act), dy, torch_fn, x=x, w=w, b=b, gamma=gamma)
+    assert set(ran) == {BACKWARD_NAMES[kernel]}
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(x=None), "x may be None only with an x_activation and x_pre, from which it is recomputed"),
+    (dict(activation="relu"), "activation must be one of ('none', 'gelu', 'gelu_tanh', 'quick_gelu', 'swiglu'), "
+                              "got 'relu'"),
+    (dict(activation="gelu"), "activation 'gelu' needs pre, the forward's pre_out [5, 6]"),
+    (dict(activation="swiglu", pre=empty(5, 12)), "weight must have shape (12, 8), got (6, 8)"),
+    (dict(x_activation="gelu"), "x_activation 'gelu' needs x_pre, the input of x's activation"),
+    (dict(x_activation="swiglu", x_pre=empty(5, 8)), "x_pre must have shape (5, 16), got (5, 8)"),
+    (dict(bias=empty(6, dtype=torch.bfloat16)), "bias must be torch.float32, got torch.bfloat16"),
+    (dict(col_scale=empty(6), activation="gelu", pre=empty(5, 6)),
+     "col_scale scales a product without activation or rope, got activation 'gelu' and no rope"),
+    (dict(row_scale=empty(5, dtype=torch.bfloat16)), "row_scale must be torch.float32, got torch.bfloat16"),
+    (dict(dy=empty(6, 5).t()), "dy must have unit stride along N, got strides (1, 5)"),
+])
+def test_bad_backward_input(change, message):
+    args = dict(dy=empty(5, 6), x=empty(5, 8), weight=empty(6, 8)) | change
+    with raises_value_error(message):
+        linear_backward(args.pop("dy"), args.pop("x"), args.pop("weight"), **args)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(activation="gelu", col_scale=empty(6)),
+     "col_scale scales a product without activation or rope, got activation 'gelu' and no rope"),
+    (dict(col_scale=empty(5)), "col_scale must have shape (6,), got (5,)"),
+    (dict(row_scale=empty(5).half()), "row_scale must be torch.float32, got torch.float16"),
+    (dict(activation="swiglu", pre_out=empty(5, 3)), "pre_out must have shape (5, 6), got (5, 3)"),
+])
+def test_bad_training_input(change, message):
+    x, w, b, _ = inputs(5, 6, 8, torch.float32)
+    with raises_value_error(message):
+        linear(x, w, b, **change)

@@ -1,4 +1,5 @@
-"""patch_embed against F.conv2d + flatten + prefix tokens + position embedding, in timm's order."""
+"""patch_embed against F.conv2d + flatten + prefix tokens + position embedding, in timm's order; patch_embed_backward
+against torch autograd through the same."""
 
 import importlib
 
@@ -7,10 +8,11 @@ import torch
 import torch.nn.functional as F
 
 from tests.kernels.checks import (
-    TF32_WEIGHT_PATHS, assert_like_torch, assert_written_in_place, check, empty, inference, nan_filled, rand,
-    raises_value_error, reference, tf32_emulated, tf32_matmuls,
+    TF32_WEIGHT_PATHS, assert_like_torch, assert_written_in_place, check, check_grads, empty, inference, nan_filled,
+    rand, raises_value_error, reference, tf32_emulated, tf32_matmuls,
 )
-from vit_triton.kernels import patch_embed
+from tests.numerics import DEVICE
+from vit_triton.kernels import patch_embed, patch_embed_backward
 from vit_triton.kernels.tf32 import TF32_WEIGHT_ROWS
 
 PATCH_EMBED = importlib.import_module("vit_triton.kernels.patch_embed")   # the module; the package exports the function
@@ -61,13 +63,26 @@ CASES = [
 # (weight dtype, pixel dtype): pixels come as float32 or already in the weight's dtype.
 PRECISIONS = [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
               (torch.float16, torch.float32), (torch.float16, torch.float16)]
-precisions = pytest.mark.parametrize("dtype, pixel_dtype", PRECISIONS,
-                                     ids=[f"{str(w)[6:]}-pixels-{str(p)[6:]}" for w, p in PRECISIONS])
+
+
+def each_precision(pairs):
+    """A test once per (weight dtype, pixel dtype) pair."""
+    return pytest.mark.parametrize("dtype, pixel_dtype", pairs,
+                                   ids=[f"{str(w)[6:]}-pixels-{str(p)[6:]}" for w, p in pairs])
+
+
+def each_case(cases):
+    """A test once per case of CASES' layout."""
+    return pytest.mark.parametrize("case", cases, ids=[
+        f"B{b}-C{c}-{h}x{w}-S{s}-P{p}-pos_{pos}-{'bias' if bias else 'nobias'}"
+        for b, c, h, w, s, p, pos, bias in cases])
+
+
+precisions = each_precision(PRECISIONS)
 
 
 @precisions
-@pytest.mark.parametrize("case", CASES, ids=[f"B{b}-C{c}-{h}x{w}-S{s}-P{p}-pos_{pos}-{'bias' if bias else 'nobias'}"
-                                             for b, c, h, w, s, p, pos, bias in CASES])
+@each_case(CASES)
 def test_patch_embed(dtype, pixel_dtype, case):
     out = embed(*inputs(*case, dtype, pixel_dtype))
     batch, _, h, w, patch, prefix = case[:6]
@@ -138,3 +153,91 @@ def test_nearby_grids_share_a_tuning_key(monkeypatch):
     for h, w in ((24, 24), (16, 40), (32, 40)):
         embed(*inputs(1, 3, h, w, 8, 1, "all", True, torch.bfloat16, torch.float32))
     assert "patches_bucket" in kernel.keys and buckets[0] == buckets[1] != buckets[2]
+
+
+# Images with pixels past the last whole patch (37 x 45 at patch 8, 30 x 44 at 14); 1 or 5 prefix tokens, pos_embed
+# over all tokens, the patches or none; C = 1, whose few weight-gradient tiles split the sum over the patch rows.
+BACKWARD_CASES = [
+    # batch, channels, height, width, patch, prefix, pos_embed, bias
+    (2, 3, 37, 45, 8, 1, "all", True),
+    (3, 1, 32, 40, 8, 5, "patches", False),
+    (1, 1, 30, 44, 14, 0, None, True),
+]
+BACKWARD_PRECISIONS = [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                       (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)]
+
+
+def embed_backward(dtokens, px, w, b, pos, pre, **needs):
+    return patch_embed_backward(dtokens, px, w, num_prefix=0 if pre is None else pre.shape[0], has_bias=b is not None,
+                                pos_rows=0 if pos is None else pos.shape[0], **needs)
+
+
+@each_precision(BACKWARD_PRECISIONS)
+@each_case(BACKWARD_CASES)
+def test_backward(dtype, pixel_dtype, case):
+    args = inputs(*case, dtype, pixel_dtype)
+    batch, _, h, w, patch, prefix = case[:6]
+    dtokens = rand(batch, prefix + (h // patch) * (w // patch), DIM, dtype=dtype)
+    grads = embed_backward(dtokens, *args, need_pixels=True)
+    assert [g is None for g in grads] == [t is None for t in args]
+    check_grads(grads, torch_patch_embed, dtokens, *args)
+
+
+def test_backward_splits_the_weight_gradient():
+    # C = 1 at patch 8: 2 x 2 tiles of 45 x 64 (32 x 32 under the interpreter), 60 patch rows in slices.
+    assert PATCH_EMBED.dweight_splits(60, DIM, 64, DEVICE) > 1
+    assert PATCH_EMBED.dweight_splits(40, DIM, 3 * 8 * 8, DEVICE) == 1
+
+
+NEEDS = ("need_pixels", "need_weight", "need_bias", "need_pos", "need_prefix")
+
+
+@pytest.mark.parametrize("needed", [(), ("need_pixels",), ("need_weight",), ("need_bias",), ("need_pos",),
+                                    ("need_prefix",), ("need_bias", "need_prefix")],
+                         ids=lambda needed: "-".join(needed) or "none")
+def test_backward_computes_only_what_is_needed(monkeypatch, needed):
+    # What is not asked for is None and no kernel runs for it: the weight and pixel GEMMs only when asked, the sums
+    # over the batch only for the rows bias, pos and prefix need. What is computed is the full call's, bit for bit.
+    args = inputs(*BACKWARD_CASES[1][:6], "all", True, torch.bfloat16, torch.float32)
+    dtokens = rand(3, 5 + 20, DIM, dtype=torch.bfloat16)
+    full = embed_backward(dtokens, *args, need_pixels=True)
+    launches = {}   # kernel name -> the keyword arguments of its launch
+
+    def recorded(name, run):
+        def launch(*args, **kwargs):
+            launches[name] = kwargs
+            return run(*args, **kwargs)
+        return launch
+
+    for name in ("_patch_embed_dweight_kernel", "_patch_embed_dpixels_kernel", "_patch_embed_token_sums_kernel"):
+        kernel = getattr(PATCH_EMBED, name)
+        monkeypatch.setattr(kernel, "run", recorded(name, kernel.run))
+    grads = embed_backward(dtokens, *args, **{need: need in needed for need in NEEDS})
+    for need, ours, whole in zip(NEEDS, grads, full):
+        assert (ours is None) != (need in needed), need
+        if ours is not None:
+            torch.testing.assert_close(ours, whole, rtol=0, atol=0)
+    assert ("_patch_embed_dpixels_kernel" in launches) == ("need_pixels" in needed)
+    assert ("_patch_embed_dweight_kernel" in launches) == ("need_weight" in needed)
+    sums = launches.get("_patch_embed_token_sums_kernel")
+    assert (sums is None) == (not {"need_bias", "need_pos", "need_prefix"} & set(needed))
+    if sums is not None:
+        assert (sums["HAS_BIAS"], sums["HAS_POS"], sums["HAS_PREFIX"]) == tuple(
+            need in needed for need in ("need_bias", "need_pos", "need_prefix"))
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(dt=empty(1, 6, DIM)), "dtokens must have shape (1, 7, 45), got (1, 6, 45)"),
+    (dict(dt=empty(1, 7, DIM, dtype=torch.bfloat16)), "dtokens must be torch.float32, got torch.bfloat16"),
+    (dict(dt=empty(1, DIM, 7).transpose(1, 2)), "dtokens must have unit stride along D, got strides (315, 1, 7)"),
+    (dict(pos_rows=5), "pos_rows must be 0, 6 or 7 for a 32x48 image with 1 prefix tokens, got 5"),
+    (dict(num_prefix=-1), "num_prefix must be at least 0, got -1"),
+    (dict(px=empty(1, 3, 15, 48)), "image size 15x48 must be at least the patch size 16"),
+    (dict(w=empty(DIM, 3, 16, 8)), "weight must be [D, C, S, S], got shape (45, 3, 16, 8)"),
+])
+def test_backward_bad_input(change, message):
+    px, w, *_ = inputs(*CASES[7], torch.float32, torch.float32)
+    args = dict(dt=empty(1, 7, DIM), px=px, w=w, num_prefix=1, pos_rows=7) | change
+    with raises_value_error(message):
+        patch_embed_backward(args["dt"], args["px"], args["w"], num_prefix=args["num_prefix"], has_bias=True,
+                             pos_rows=args["pos_rows"])

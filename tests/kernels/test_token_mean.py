@@ -1,13 +1,15 @@
-"""token_mean against Tensor.mean over the token axis."""
+"""token_mean against Tensor.mean over the token axis, token_mean_backward against its torch autograd gradient."""
 
 import itertools
 
 import pytest
 import torch
 
-from tests.kernels.checks import assert_written_in_place, check, each_dtype, empty, nan_filled, rand, raises_value_error
+from tests.kernels.checks import (
+    assert_written_in_place, check, check_grads, each_dtype, empty, nan_filled, rand, raises_value_error,
+)
 from tests.numerics import DEVICE
-from vit_triton.kernels import token_mean
+from vit_triton.kernels import token_mean, token_mean_backward
 from vit_triton.kernels.common import sm_count
 from vit_triton.kernels.token_mean import column_block
 
@@ -78,3 +80,38 @@ def test_bad_input(change, message):
     args = dict(x=empty(2, 7, 8), start=0, out=None) | change
     with raises_value_error(message):
         token_mean(args["x"], args["start"], out=args["out"])
+
+
+@each_dtype
+@pytest.mark.parametrize("batch, start, tokens, dim", [(1, 0, 7, 301), (3, 1, 37, 45), (2, 5, 197, 80)],
+                         ids=["B1-from0-T7-D301", "B3-from1-T37-D45", "B2-from5-T197-D80"])
+def test_backward(dtype, batch, start, tokens, dim):
+    # start 0: every token's gradient dy / T; start > 0: the prefix tokens' gradient 0.
+    x, dy = rand(batch, tokens, dim, dtype=dtype), rand(batch, dim, dtype=dtype)
+    dx = token_mean_backward(dy, tokens, start)
+    assert dx.is_contiguous()
+    check_grads((dx,), torch_token_mean(start), dy, x)
+
+
+def test_backward_every_element_is_written_in_place():
+    dy = rand(3, 301, dtype=torch.bfloat16)
+    buffer = nan_filled(3, 40, 305, dtype=torch.bfloat16)
+    out = buffer[:, 1:38, 2:303]
+    result = token_mean_backward(dy, 37, 5, dx=out)
+    assert_written_in_place(result, out, buffer)
+    torch.testing.assert_close(result, token_mean_backward(dy, 37, 5), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(dy=empty(2, 7, 8)), "dy must be 2-D [B, D] with unit stride along D, got shape (2, 7, 8)"),
+    (dict(dy=empty(8, 2).t()), "dy must be 2-D [B, D] with unit stride along D, got shape (2, 8) and strides (1, 2)"),
+    (dict(dy=empty(2, 8).int()), "dy must be float32, float16 or bfloat16, got torch.int32"),
+    (dict(start=7), "start must be in [0, 7), got 7"),
+    (dict(dx=empty(2, 7, 9)), "dx must be a torch.float32 tensor of shape (2, 7, 8) with unit stride along D"),
+    (dict(dx=empty(2, 7, 8, dtype=torch.bfloat16)), "dx must be a torch.float32 tensor of shape (2, 7, 8)"),
+    (dict(dx=empty(2, 8, 7).transpose(1, 2)), "dx must be a torch.float32 tensor of shape (2, 7, 8) with unit"),
+])
+def test_backward_bad_input(change, message):
+    args = dict(dy=empty(2, 8), start=0, dx=None) | change
+    with raises_value_error(message):
+        token_mean_backward(args["dy"], 7, args["start"], dx=args["dx"])

@@ -124,7 +124,7 @@ def run_bench(model_name: str, cfg: ViTConfig, batch_sizes: Sequence[int], dtype
     # At the smallest batch timed: where the model takes its small-batch paths (split-K GEMMs).
     result["check"] = check_correctness(reference, ours, cfg, dtype, device, batch=min(batch_sizes))
     if not result["check"]["ok"]:
-        _write(result, out_dir)
+        write_result(result, out_dir)
         raise RuntimeError(f"vit-triton's output is wrong, no speed reported: {result['check']}")
     log(f"correctness: rel err {result['check']['err']:.2e} (tolerance {result['check']['tol']:.2e}) "
         f"against {result['check']['reference']} in float64")
@@ -147,9 +147,9 @@ def run_bench(model_name: str, cfg: ViTConfig, batch_sizes: Sequence[int], dtype
             result["rows"].append(row)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        _write(result, out_dir)
+        write_result(result, out_dir)
     result["speedup"] = speedups(result["rows"])
-    _write(result, out_dir)
+    write_result(result, out_dir)
     if out_dir is not None:
         from .plots import plot_throughput
 
@@ -173,7 +173,7 @@ def speedups(rows: Sequence[dict]) -> dict[str, dict]:
     return out
 
 
-def _write(result: dict, out_dir: Path | None) -> None:
+def write_result(result: dict, out_dir: Path | None) -> None:
     """bench.json, replaced atomically so that a killed run leaves the last complete state."""
     if out_dir is None:
         return

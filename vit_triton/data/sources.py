@@ -206,7 +206,7 @@ def read_bytes(path: str) -> bytes:
         raise _cannot_read(e) from None
 
 
-class _StrictTarInfo(tarfile.TarInfo):
+class StrictTarInfo(tarfile.TarInfo):
     """A tar header that ends the archive only where its end-of-archive block is: tarfile takes a missing, cut
     or corrupt header after the first one for the end, which would drop the rest of a damaged shard unseen."""
 
@@ -233,7 +233,7 @@ def tar_images(shard: str) -> Iterator[tuple[str, bytes]]:
     count = 0
     with file:
         try:
-            with tarfile.open(fileobj=file, mode="r|", tarinfo=_StrictTarInfo) as tar:
+            with tarfile.open(fileobj=file, mode="r|", tarinfo=StrictTarInfo) as tar:
                 for member in tar:
                     if member.isfile() and is_image_name(member.name):
                         yield member.name, tar.extractfile(member).read()

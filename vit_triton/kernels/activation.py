@@ -7,6 +7,9 @@ sigmoid forms (QuickGELU, SiLU) from one exp2 and one reciprocal an element. A b
 activation as h + h tanh(u(x)), h = x / 2, from one tanh an element (SiLU: u = h); for exact GELU, u is an odd
 polynomial fitted to erf, of the degree GELU_FIT_DEGREES gives for the output's dtype (gelu_fit_degree). Each form is
 within the output's rounding of PyTorch's (tests/kernels/test_linear.py).
+
+The backward's derivatives (activation_grad) take the fp32 forms whatever the dtype: a gradient is rounded once, after
+it is multiplied by the upstream gradient, so the one-tanh shortcuts' error would not hide under a rounding step.
 """
 
 from __future__ import annotations
@@ -26,7 +29,10 @@ _QUICK_GELU_K = 1.702                   # QuickGELU: x sigmoid(1.702 x)
 _GELU_TANH_A = tl.constexpr(-2.0 * _SQRT_2_OVER_PI * LOG2E)  # exp(-2u) = 2^(x (A + B x^2))
 _GELU_TANH_B = tl.constexpr(-2.0 * _SQRT_2_OVER_PI * 0.044715 * LOG2E)
 _QUICK_GELU_A = tl.constexpr(-_QUICK_GELU_K * LOG2E)
+_QUICK_GELU_DS = tl.constexpr(_QUICK_GELU_K)   # sigmoid(k x)' = k s (1 - s)
 _SILU_A = tl.constexpr(-LOG2E)   # SiLU: x sigmoid(x), exp(-x) = 2^(-x log2(e))
+_INV_SQRT_2PI = tl.constexpr(0.3989422804014327)   # the normal density phi(x) = exp(-x^2 / 2) / sqrt(2 pi)
+_GELU_TANH_DU = tl.constexpr(3 * 0.044715)   # u'(x) = sqrt(2/pi) (1 + 3 * 0.044715 x^2)
 # The one-tanh forms: u(x) in h + h tanh(u(x)), h = x / 2. Exact GELU's u is an odd polynomial whose tanh is closest
 # to erf(x / sqrt(2)) (minimax fits): of degree 3 within 2.72e-4 of x Phi(x), which
 # bf16's rounding hides (half an ulp: 2e-3 at 1) and fp16's does not (2.4e-4); of degree 5 within 2.8e-5, its x^2
@@ -44,6 +50,22 @@ def gelu_fit_degree(dtype: torch.dtype, activation: str) -> int:
     """The kernel's GELU_FIT_DEGREE for this output dtype and activation: 0 (the exp2 and reciprocal forms, and no
     activation) or the degree of exact GELU's u in the one-tanh forms."""
     return GELU_FIT_DEGREES.get(dtype, 0) if activation != "none" else 0
+
+
+@triton.jit
+def _normal_tail(x):
+    """(Phi(-|x|), exp(-x^2 / 2)) for fp32 x: Phi(-|x|) = erfc(z) / 2 = poly(t) * exp(-z^2), t = 1 / (1 + p z),
+    z = |x| / sqrt(2) (Abramowitz & Stegun 7.1.26, |error| < 1.5e-7; the 1/2 is folded into the coefficients)."""
+    t = reciprocal(1.0 + _GELU_P * tl.abs(x))
+    poly = t * (0.127414796 + t * (-0.142248368 + t * (0.7107068705 + t * (-0.7265760135 + t * 0.5307027145))))
+    density = exp2(x * x * _MINUS_HALF_LOG2E)
+    return poly * density, density
+
+
+@triton.jit
+def _logistic(e):
+    """1 / (1 + 2^e), sigmoid(k x) for e = -k log2(e) x: one exp2 and one reciprocal (0 where 2^e overflows)."""
+    return reciprocal(1.0 + exp2(e))
 
 
 @triton.jit
@@ -72,22 +94,46 @@ def apply_activation(x, ACT: tl.constexpr, GELU_FIT_DEGREE: tl.constexpr):
         h = 0.5 * x
         x = h + h * tanh(u)   # +inf -> +inf, -inf -> NaN, as PyTorch's tanh form
     elif ACT == "gelu":
-        # x * Phi(x). Phi(-|x|) = erfc(z) / 2 = poly(t) * exp(-z^2), t = 1 / (1 + p z), z = |x| / sqrt(2)
-        # (Abramowitz & Stegun 7.1.26, |error| < 1.5e-7; the 1/2 is folded into the coefficients).
-        t = reciprocal(1.0 + _GELU_P * tl.abs(x))
-        poly = t * (0.127414796 + t * (-0.142248368 + t * (0.7107068705 + t * (-0.7265760135 + t * 0.5307027145))))
-        tail = poly * exp2(x * x * _MINUS_HALF_LOG2E)  # Phi(-|x|)
+        tail, _ = _normal_tail(x)
         # x (1 - tail) for x >= 0, x tail below: one FMA, no select (NaN at +-inf, as PyTorch's)
         x = tl.maximum(x, 0.0) - tl.abs(x) * tail
     elif ACT == "gelu_tanh":
         # 0.5x(1 + tanh(u)) = x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3)
-        x = x * reciprocal(1.0 + exp2(x * (_GELU_TANH_A + _GELU_TANH_B * x * x)))
+        x = x * _logistic(x * (_GELU_TANH_A + _GELU_TANH_B * x * x))
     elif ACT == "quick_gelu":
         # x * sigmoid(1.702x)
-        x = x * reciprocal(1.0 + exp2(x * _QUICK_GELU_A))
+        x = x * _logistic(x * _QUICK_GELU_A)
     elif ACT == "swiglu":
         # SiLU, x * sigmoid(x)
-        x = x * reciprocal(1.0 + exp2(x * _SILU_A))
+        x = x * _logistic(x * _SILU_A)
     if ACT == "swiglu":
         x = x * value
     return x
+
+
+@triton.jit
+def activation_grad(x, g, ACT: tl.constexpr):
+    """The gradient at the activation's input: g * act'(x) for fp32 x (the forward's pre-activation) and g (the
+    gradient at its output), elementwise and accurate to fp32 (the exp2 and reciprocal forms, for every dtype).
+    "swiglu" takes x [BM, 2W], gates in its even columns and values in its odd ones, and g [BM, W], and returns
+    [BM, 2W] laid out as x: d gate = g value silu'(gate), d value = g silu(gate).
+
+        gelu        Phi(x) + x phi(x)
+        gelu_tanh   s + 2 x s (1 - s) u'(x),  s = sigmoid(2 u) = (1 + tanh(u)) / 2, u = sqrt(2/pi) (x + 0.044715 x^3)
+        quick_gelu  s + 1.702 x s (1 - s),    s = sigmoid(1.702 x)
+        silu        s + x s (1 - s),          s = sigmoid(x)"""
+    if ACT == "swiglu":
+        gate, value = tl.split(tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
+        s = _logistic(gate * _SILU_A)
+        d_gate = g * value * (s + gate * s * (1.0 - s))
+        return tl.reshape(tl.join(d_gate, g * gate * s), [x.shape[0], x.shape[1]])
+    if ACT == "gelu":
+        tail, density = _normal_tail(x)
+        d = tl.where(x >= 0, 1.0 - tail, tail) + x * density * _INV_SQRT_2PI
+    elif ACT == "gelu_tanh":
+        s = _logistic(x * (_GELU_TANH_A + _GELU_TANH_B * x * x))
+        d = s + 2.0 * x * s * (1.0 - s) * _GELU_TANH_U * (1.0 + _GELU_TANH_DU * x * x)
+    else:   # quick_gelu
+        s = _logistic(x * _QUICK_GELU_A)
+        d = s + _QUICK_GELU_DS * x * s * (1.0 - s)
+    return g * d

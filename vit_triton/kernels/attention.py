@@ -23,6 +23,23 @@ dependent chain (scores, max, exponentials, P V) instead of one a key block wins
 
 Cost: 4*B*H*Tq*Tk*Dh FLOPs (two GEMMs) + B*H*Tq*Tk exponentials; at least 2*B*(Tq + Tk)*H*Dh elements
 moved (q, k, v read, o written; a query expanded over the batch is read once).
+
+Training. With lse= the forward also stores each query row's log-sum-exp, lse [B, H, Tq] float32 (natural log),
+and attention_backward gives dq, dk, dv from q, k, v, o, lse and dO = dL/do [B, Tq, H, Dh] (any strides, unit
+stride along Dh) the FlashAttention-2 way, P recomputed from the scores and lse, never stored:
+    delta = rowsum(dO * O) (a small first kernel), P = exp(scale q k^T - lse), dV = P^T dO, dP = dO V^T,
+    dS = P * (dP - delta), dK = scale dS^T Q, dQ = scale dS K.
+One launch holds two kinds of programs a head: a dK/dV program owns BLOCK_M keys and streams every query past
+them, a dQ program owns BLOCK_M queries and streams every key; each accumulates its rows in fp32 registers and
+stores them once, so no program adds into another's output (no atomics: the same bits on every run). The price is
+that both recompute P and dP: 7 tile products where the math needs 5. P and dS are rounded to the inputs' dtype
+before their products, as FA2 does. Ragged ends as in the forward: the last T % BLOCK_M rows are owned by programs
+of TAIL_N rows, and a stream's last keys or queries come in masked blocks of TAIL_N (197 tokens: 208 rows of
+work, not 256). dq of a query expanded over the batch is each image's dq in fp32, summed over the batch afterwards.
+
+Backward cost: 10*B*H*Tq*Tk*Dh FLOPs in the math (5 products, 2.5x the forward's), 14*B*H*Tq*Tk*Dh as computed
+here, + 2*B*H*Tq*Tk exponentials; at least 4*B*(Tq + Tk)*H*Dh elements moved (q, o, dO, k, v read, dq, dk, dv
+written) and 3*B*H*Tq floats (lse read, delta written and read).
 """
 
 from __future__ import annotations
@@ -39,6 +56,7 @@ from .common import (
 )
 from .tuning import Config, Tuner, size_bucket
 
+_LOG2E = tl.constexpr(LOG2E)
 TAIL_N = tl.constexpr(16)  # the smallest key block a 16-bit tensor-core product takes (k = 16)
 ONE_PASS_MAX_T = 256       # one pass holds BLOCK_M x 256 fp32 scores at most
 ONE_PASS_WAVES = 2         # ... in launches of at most this many programs an SM
@@ -50,8 +68,15 @@ CANDIDATES = tune([Config(128, 64, 0, 8, 3), Config(128, 128, 0, 8, 2), Config(6
                    Config(128, 32, 0, 4, 3), Config(128, 32, 0, 4, 4), Config(64, 128, 0, 4, 2)],
                   Config(32, 32, 0, 4, 1))
 SMALLEST_BLOCK_M = min(c.block_m for c in CANDIDATES)   # the launch with the most programs
-# The tuner's disk cache is keyed by this source: a change to the kernel or the candidates starts afresh.
+# The backward's candidates: rows a program owns (keys for dK/dV, queries for dQ), rows of the other side a
+# step, (no K tile), warps, stages.
+BACKWARD_CANDIDATES = tune([Config(64, 64, 0, 4, 2), Config(128, 64, 0, 8, 2), Config(128, 32, 0, 8, 2),
+                            Config(64, 32, 0, 4, 3), Config(32, 64, 0, 4, 2)],
+                           Config(32, 32, 0, 4, 1))
+DELTA_BLOCK_M = 64   # query rows a program of the backward's rowsum(dO * O)
+# The tuners' disk caches are keyed by this source: a change to the kernels or the candidates starts afresh.
 _TUNER = Tuner("attention", Path(__file__).read_text())
+_BACKWARD_TUNER = Tuner("attention_backward", Path(__file__).read_text())
 
 
 @triton.jit
@@ -97,7 +122,7 @@ def _attend_once(q, k_base, v_base, T, sk_t, sv_t, qk_scale, offs_d, mask_d, acc
                  INPUT_PRECISION: tl.constexpr, QKV_TF32: tl.constexpr,
                  KEYS0: tl.constexpr, KEYS1: tl.constexpr, KEYS2: tl.constexpr):
     """The one-pass softmax over all T keys, in pieces KEYS0 >= KEYS1 >= KEYS2 (0: absent; the last
-    present one is masked past T). Returns the unnormalised P V and the row sums of P."""
+    present one is masked past T). Returns the unnormalised P V, the row max (scaled, base 2) and the row sums of P."""
     s0 = _scores(q, k_base, 0, T, sk_t, offs_d, mask_d, INPUT_PRECISION, QKV_TF32, KEYS0, KEYS1 == 0)
     m = tl.max(s0, axis=1)
     if KEYS1 > 0:
@@ -118,16 +143,17 @@ def _attend_once(q, k_base, v_base, T, sk_t, sv_t, qk_scale, offs_d, mask_d, acc
         p = exp2(s2 * qk_scale - m[:, None])
         l_i += tl.sum(p, axis=1)
         acc = _add_pv(acc, p, v_base, KEYS0 + KEYS1, T, sv_t, offs_d, mask_d, INPUT_PRECISION, QKV_TF32, KEYS2, True)
-    return acc, l_i
+    return acc, m, l_i
 
 
 @triton.jit
 def _attention_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
     T_K, H, T_Q, qk_scale,   # keys, queries
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, PDL: tl.constexpr,
     QKV_TF32: tl.constexpr, O_TF32: tl.constexpr,   # q, k, v hold tf32 values already; o stored rounded to tf32
+    STORE_LSE: tl.constexpr,   # also store each query row's log-sum-exp (training: the backward's softmax)
     KEYS0: tl.constexpr, KEYS1: tl.constexpr, KEYS2: tl.constexpr,   # one pass over pieces of keys if KEYS0 > 0
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -153,8 +179,8 @@ def _attention_kernel(
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     if KEYS0 > 0:
-        acc, l_i = _attend_once(q, k_base, v_base, T_K, sk_t, sv_t, qk_scale, offs_d, mask_d, acc,
-                                INPUT_PRECISION, QKV_TF32, KEYS0, KEYS1, KEYS2)
+        acc, m_i, l_i = _attend_once(q, k_base, v_base, T_K, sk_t, sv_t, qk_scale, offs_d, mask_d, acc,
+                                     INPUT_PRECISION, QKV_TF32, KEYS0, KEYS1, KEYS2)
     else:
         # Whole key blocks without masks, then the last T_K % BLOCK_N keys in blocks of TAIL_N: at 197
         # tokens, 3 x 64 + 16 keys are multiplied instead of 4 x 64.
@@ -172,6 +198,9 @@ def _attention_kernel(
         o = to_tf32(o)
     o_ptrs = o_ptr + b * so_b + h * so_h + offs_m[:, None] * so_t + offs_d[None, :]
     tl.store(o_ptrs, cast(o, o_ptr.dtype.element_ty), mask=(offs_m < T_Q)[:, None] & mask_d[None, :])
+    if STORE_LSE:
+        # m_i is the row max of the scaled scores in base-2 units: log2(sum) = m_i + log2(l_i), then to natural log.
+        tl.store(lse_ptr + (b * H + h) * T_Q + offs_m, (m_i + tl.log2(l_i)) / _LOG2E, mask=offs_m < T_Q)
 
 
 def fused_attention(
@@ -184,43 +213,32 @@ def fused_attention(
     tf32_input: bool = False,
     tf32_output: bool = False,
     out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(q @ k^T * scale) @ v for q [B, Tq, H, Dh] and k, v [B, Tk, H, Dh]; returns [B, Tq, H, Dh]
     contiguous. q may be one query expanded over the batch (batch stride 0).
 
     scale (positive) defaults to Dh ** -0.5. Head dims from 16 to 256 are accepted. tf32_input (q, k and
-    v), tf32_output: see tf32.py; they act only where the matmuls run on tf32.
+    v), tf32_output: see tf32.py; they act only where the matmuls run on tf32. lse: a contiguous float32
+    [B, H, Tq] that receives log(sum_j exp(scale * q k_j)) of each query row, what attention_backward takes.
     """
-    check_device(q, k, v, out)
-    check_float("q", q)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D [B, T, H, Dh], got shape {tuple(t.shape)}")
-    (B, Tq, H, Dh), Tk = q.shape, v.shape[1]
-    if not 16 <= Dh <= 256:
-        raise ValueError(f"head dim must be between 16 and 256, got {Dh}")
-    for name, t, tokens in (("k", k, Tk), ("v", v, Tk), ("out", out, Tq)):
-        if t is not None:
-            check_shape(name, t, (B, tokens, H, Dh))
-            check_dtype(name, t, q.dtype)
-    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
-        if t is not None and t.stride(3) != 1:
-            raise ValueError(f"{name} must have unit stride along the head dim, got strides {t.stride()}")
+    check_device(q, k, v, out, lse)
+    B, Tq, Tk, H, Dh = check_inputs(q, k, v, out=out)
+    if lse is not None:
+        check_lse(lse, (B, H, Tq))
     if out is None:
         out = torch.empty((B, Tq, H, Dh), device=q.device, dtype=q.dtype)
-    scale = Dh ** -0.5 if scale is None else scale
+    scale = check_scale(scale, Dh)
     precision = input_precision(q.dtype, allow_tf32)
-    if not scale > 0:
-        raise ValueError(f"scale must be positive, got {scale}")
 
-    flags = dict(HEAD_DIM=Dh, BLOCK_D=max(16, triton.next_power_of_2(Dh)), INPUT_PRECISION=precision,
+    flags = dict(HEAD_DIM=Dh, BLOCK_D=block_d(Dh), INPUT_PRECISION=precision,
                  QKV_TF32=precision == "tf32" and tf32_input, O_TF32=precision == "tf32" and tf32_output,
-                 **pdl(q.device, B * H * triton.cdiv(Tq, SMALLEST_BLOCK_M)))
+                 STORE_LSE=lse is not None, **pdl(q.device, B * H * triton.cdiv(Tq, SMALLEST_BLOCK_M)))
 
     def launch(config: Config, keys: tuple[int, int, int] = (0, 0, 0)) -> None:
         # One axis of programs, which allows 2^31 - 1 (axis 1 allows 65535).
         _attention_kernel[(B * H * triton.cdiv(Tq, config.block_m),)](
-            q, k, v, out,
+            q, k, v, out, lse,
             Tk, H, Tq, scale * LOG2E,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
@@ -237,6 +255,288 @@ def fused_attention(
         key = (*tuning_sizes(B, H, Tq, Tk), Dh, precision, flags["QKV_TF32"], flags["O_TF32"])
         launch(_TUNER.pick(key, CANDIDATES, launch, q.device))
     return out
+
+
+@triton.jit
+def _delta_kernel(o_ptr, do_ptr, delta_ptr, T_Q, H, so_b, so_t, so_h, sdo_b, sdo_t, sdo_h,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr):
+    """delta [B, H, Tq] = rowsum(dO * O) in fp32: the row term of dS = P * (dP - delta), since
+    sum_j P_ij dP_ij = dO_i . O_i. One program per BLOCK_M query rows of one head."""
+    wait_for_previous_kernel(PDL)
+    q_blocks = tl.cdiv(T_Q, BLOCK_M)
+    bh = (tl.program_id(0) // q_blocks).to(tl.int64)
+    b, h = bh // H, bh % H
+    offs_m = (tl.program_id(0) % q_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m < T_Q)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    o = tl.load(o_ptr + b * so_b + h * so_h + offs_m[:, None] * so_t + offs_d[None, :], mask=mask, other=0.0)
+    do = tl.load(do_ptr + b * sdo_b + h * sdo_h + offs_m[:, None] * sdo_t + offs_d[None, :], mask=mask, other=0.0)
+    start_next_kernel(PDL)
+    tl.store(delta_ptr + bh * T_Q + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1), mask=offs_m < T_Q)
+
+
+@triton.jit
+def _dk_dv_step(dk, dv, k, v, key_valid, q_base, do_base, lse_base, delta_base, start, T_Q, sq_t, sdo_t, qk_scale,
+                offs_d, mask_d, INPUT_PRECISION: tl.constexpr, BLOCK: tl.constexpr, MASKED: tl.constexpr,
+                KEYS_MASKED: tl.constexpr):
+    """dk and dv plus the terms of queries start .. start + BLOCK (masked past T_Q if MASKED; keys where not
+    key_valid if KEYS_MASKED): the program's keys are the rows, so P^T, dP^T and dS^T are computed transposed and
+    no tile of them is transposed."""
+    offs_m = start + tl.arange(0, BLOCK)
+    valid = offs_m < T_Q
+    qt_mask = valid[None, :] & mask_d[:, None] if MASKED else mask_d[:, None]
+    do_mask = valid[:, None] & mask_d[None, :] if MASKED else mask_d[None, :]
+    qt = tl.load(q_base + offs_m[None, :] * sq_t + offs_d[:, None], mask=qt_mask, other=0.0)      # [BLOCK_D, BLOCK]
+    do = tl.load(do_base + offs_m[:, None] * sdo_t + offs_d[None, :], mask=do_mask, other=0.0)    # [BLOCK, BLOCK_D]
+    # A query past T_Q gets lse = inf, so P = 0 in its column.
+    lse = tl.load(lse_base + offs_m, mask=valid, other=float("inf")) if MASKED else tl.load(lse_base + offs_m)
+    delta = tl.load(delta_base + offs_m, mask=valid, other=0.0) if MASKED else tl.load(delta_base + offs_m)
+    s_t = mma(k, qt, tl.zeros((k.shape[0], BLOCK), dtype=tl.float32), INPUT_PRECISION, False, False)
+    if KEYS_MASKED:   # P = 0 for a key past T_K: its zeros could give exp(-lse) = inf (a row never stored, but NaN)
+        s_t = tl.where(key_valid[:, None], s_t, float("-inf"))
+    p_t = exp2(s_t * qk_scale - (lse * _LOG2E)[None, :])
+    dv = mma(cast(p_t, do.dtype), do, dv, INPUT_PRECISION, False, False)
+    dp_t = mma(v, tl.trans(do), tl.zeros((k.shape[0], BLOCK), dtype=tl.float32), INPUT_PRECISION, False, False)
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk = mma(cast(ds_t, qt.dtype), tl.trans(qt), dk, INPUT_PRECISION, False, False)
+    return dk, dv
+
+
+@triton.jit
+def _dk_dv(q_base, k_base, v_base, do_base, lse_base, delta_base, dk_base, dv_base, start, T_Q, T_K,
+           sq_t, sk_t, sv_t, sdo_t, sdk_t, sdv_t, scale, qk_scale, offs_d, mask_d,
+           INPUT_PRECISION: tl.constexpr, PDL: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+           MASKED: tl.constexpr):
+    """dK and dV of keys start .. start + ROWS (masked past T_K if MASKED) from every query: whole blocks of
+    BLOCK_N queries, then the last T_Q % BLOCK_N in masked blocks of TAIL_N."""
+    offs_n = start + tl.arange(0, ROWS)
+    mask = (offs_n < T_K)[:, None] & mask_d[None, :] if MASKED else mask_d[None, :]
+    k = tl.load(k_base + offs_n[:, None] * sk_t + offs_d[None, :], mask=mask, other=0.0)
+    v = tl.load(v_base + offs_n[:, None] * sv_t + offs_d[None, :], mask=mask, other=0.0)
+    dk = tl.zeros((ROWS, offs_d.shape[0]), dtype=tl.float32)
+    dv = tl.zeros((ROWS, offs_d.shape[0]), dtype=tl.float32)
+    whole = T_Q - T_Q % BLOCK_N
+    for m in range(0, whole, BLOCK_N):
+        dk, dv = _dk_dv_step(dk, dv, k, v, offs_n < T_K, q_base, do_base, lse_base, delta_base, m, T_Q, sq_t, sdo_t,
+                             qk_scale, offs_d, mask_d, INPUT_PRECISION, BLOCK_N, False, MASKED)
+    for m in range(whole, T_Q, TAIL_N):
+        dk, dv = _dk_dv_step(dk, dv, k, v, offs_n < T_K, q_base, do_base, lse_base, delta_base, m, T_Q, sq_t, sdo_t,
+                             qk_scale, offs_d, mask_d, INPUT_PRECISION, TAIL_N, True, MASKED)
+    start_next_kernel(PDL)
+    tl.store(dk_base + offs_n[:, None] * sdk_t + offs_d[None, :], cast(dk * scale, dk_base.dtype.element_ty), mask=mask)
+    tl.store(dv_base + offs_n[:, None] * sdv_t + offs_d[None, :], cast(dv, dv_base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dq_step(dq, q, do, lse, delta, k_base, v_base, start, T_K, sk_t, sv_t, qk_scale, offs_d, mask_d,
+             INPUT_PRECISION: tl.constexpr, BLOCK: tl.constexpr, MASKED: tl.constexpr):
+    """dq plus the terms of keys start .. start + BLOCK (masked past T_K if MASKED)."""
+    offs_n = start + tl.arange(0, BLOCK)
+    mask = (offs_n < T_K)[None, :] & mask_d[:, None] if MASKED else mask_d[:, None]
+    k_t = tl.load(k_base + offs_n[None, :] * sk_t + offs_d[:, None], mask=mask, other=0.0)   # [BLOCK_D, BLOCK]
+    v_t = tl.load(v_base + offs_n[None, :] * sv_t + offs_d[:, None], mask=mask, other=0.0)
+    s = mma(q, k_t, tl.zeros((q.shape[0], BLOCK), dtype=tl.float32), INPUT_PRECISION, False, False)
+    if MASKED:   # P = 0 past T_K: a zero key's exp(-lse) could overflow, and inf * 0 is NaN in dS K
+        s = tl.where((offs_n < T_K)[None, :], s, float("-inf"))
+    p = exp2(s * qk_scale - lse[:, None])
+    dp = mma(do, v_t, tl.zeros((q.shape[0], BLOCK), dtype=tl.float32), INPUT_PRECISION, False, False)
+    ds = p * (dp - delta[:, None])
+    return mma(cast(ds, k_t.dtype), tl.trans(k_t), dq, INPUT_PRECISION, False, False)
+
+
+@triton.jit
+def _dq(q_base, k_base, v_base, do_base, lse_base, delta_base, dq_base, start, T_Q, T_K,
+        sq_t, sk_t, sv_t, sdo_t, sdq_t, scale, qk_scale, offs_d, mask_d,
+        INPUT_PRECISION: tl.constexpr, PDL: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+        MASKED: tl.constexpr):
+    """dQ of queries start .. start + ROWS (masked past T_Q if MASKED) from every key: whole blocks of BLOCK_N
+    keys, then the last T_K % BLOCK_N in masked blocks of TAIL_N."""
+    offs_m = start + tl.arange(0, ROWS)
+    valid = offs_m < T_Q
+    mask = valid[:, None] & mask_d[None, :] if MASKED else mask_d[None, :]
+    q = tl.load(q_base + offs_m[:, None] * sq_t + offs_d[None, :], mask=mask, other=0.0)
+    do = tl.load(do_base + offs_m[:, None] * sdo_t + offs_d[None, :], mask=mask, other=0.0)
+    lse = (tl.load(lse_base + offs_m, mask=valid, other=0.0) if MASKED else tl.load(lse_base + offs_m)) * _LOG2E
+    delta = tl.load(delta_base + offs_m, mask=valid, other=0.0) if MASKED else tl.load(delta_base + offs_m)
+    dq = tl.zeros((ROWS, offs_d.shape[0]), dtype=tl.float32)
+    whole = T_K - T_K % BLOCK_N
+    for n in range(0, whole, BLOCK_N):
+        dq = _dq_step(dq, q, do, lse, delta, k_base, v_base, n, T_K, sk_t, sv_t, qk_scale, offs_d, mask_d,
+                      INPUT_PRECISION, BLOCK_N, False)
+    for n in range(whole, T_K, TAIL_N):
+        dq = _dq_step(dq, q, do, lse, delta, k_base, v_base, n, T_K, sk_t, sv_t, qk_scale, offs_d, mask_d,
+                      INPUT_PRECISION, TAIL_N, True)
+    start_next_kernel(PDL)
+    tl.store(dq_base + offs_m[:, None] * sdq_t + offs_d[None, :], cast(dq * scale, dq_base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _attention_backward_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr,
+    T_Q, T_K, H, scale, qk_scale,
+    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sdo_b, sdo_t, sdo_h,
+    sdq_b, sdq_t, sdq_h, sdk_b, sdk_t, sdk_h, sdv_b, sdv_t, sdv_h,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    wait_for_previous_kernel(PDL)
+    # A head's programs are neighbours in launch order (its q, k, v and dO come from HBM once, from L2 after):
+    # first its dK/dV programs, one per BLOCK_M keys and one per TAIL_N of the last T_K % BLOCK_M (197 keys,
+    # BLOCK_M 64: 3 x 64 + 16 rows, not 4 x 64), then its dQ programs, split the same way over the queries.
+    k_whole = T_K // BLOCK_M
+    k_programs = k_whole + tl.cdiv(T_K % BLOCK_M, TAIL_N)
+    q_whole = T_Q // BLOCK_M
+    per_head = k_programs + q_whole + tl.cdiv(T_Q % BLOCK_M, TAIL_N)
+    bh = tl.program_id(0) // per_head
+    j = tl.program_id(0) % per_head
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+
+    q_base = q_ptr + b * sq_b + h * sq_h
+    k_base = k_ptr + b * sk_b + h * sk_h
+    v_base = v_ptr + b * sv_b + h * sv_h
+    do_base = do_ptr + b * sdo_b + h * sdo_h
+    lse_base = lse_ptr + (b * H + h) * T_Q
+    delta_base = delta_ptr + (b * H + h) * T_Q
+    if j < k_whole:
+        _dk_dv(q_base, k_base, v_base, do_base, lse_base, delta_base, dk_ptr + b * sdk_b + h * sdk_h,
+               dv_ptr + b * sdv_b + h * sdv_h, j * BLOCK_M, T_Q, T_K, sq_t, sk_t, sv_t, sdo_t, sdk_t, sdv_t, scale,
+               qk_scale, offs_d, mask_d, INPUT_PRECISION, PDL, BLOCK_M, BLOCK_N, False)
+    elif j < k_programs:
+        _dk_dv(q_base, k_base, v_base, do_base, lse_base, delta_base, dk_ptr + b * sdk_b + h * sdk_h,
+               dv_ptr + b * sdv_b + h * sdv_h, k_whole * BLOCK_M + (j - k_whole) * TAIL_N, T_Q, T_K,
+               sq_t, sk_t, sv_t, sdo_t, sdk_t, sdv_t, scale, qk_scale, offs_d, mask_d, INPUT_PRECISION, PDL,
+               TAIL_N, BLOCK_N, True)
+    elif j < k_programs + q_whole:
+        _dq(q_base, k_base, v_base, do_base, lse_base, delta_base, dq_ptr + b * sdq_b + h * sdq_h,
+            (j - k_programs) * BLOCK_M, T_Q, T_K, sq_t, sk_t, sv_t, sdo_t, sdq_t, scale, qk_scale, offs_d, mask_d,
+            INPUT_PRECISION, PDL, BLOCK_M, BLOCK_N, False)
+    else:
+        _dq(q_base, k_base, v_base, do_base, lse_base, delta_base, dq_ptr + b * sdq_b + h * sdq_h,
+            q_whole * BLOCK_M + (j - k_programs - q_whole) * TAIL_N, T_Q, T_K, sq_t, sk_t, sv_t, sdo_t, sdq_t,
+            scale, qk_scale, offs_d, mask_d, INPUT_PRECISION, PDL, TAIL_N, BLOCK_N, True)
+
+
+def attention_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    do: torch.Tensor,
+    *,
+    scale: float | None = None,
+    allow_tf32: bool | None = None,
+    dq: torch.Tensor | None = None,
+    dk: torch.Tensor | None = None,
+    dv: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients (dq, dk, dv) of o = softmax(q @ k^T * scale) @ v given do = dL/do, from the forward's
+    inputs (as fused_attention took them), its output o [B, Tq, H, Dh] and its lse [B, H, Tq]
+    (fused_attention(..., lse=lse)). do: [B, Tq, H, Dh], unit stride along Dh.
+
+    dq has q's shape, but [1, Tq, H, Dh] for a q of batch stride 0 (one set of queries expanded over the
+    batch): then it is the gradient of that one set, the sum over the batch. dk and dv have k's and v's
+    shape. dq, dk, dv may be given (any strides, unit stride along Dh: views of one packed [B, T, 3, H, Dh]
+    buffer, say); every element of them is written. scale and allow_tf32 as for fused_attention.
+    """
+    check_device(q, k, v, o, lse, do, dq, dk, dv)
+    B, Tq, Tk, H, Dh = check_inputs(q, k, v, o=o, do=do)
+    check_lse(lse, (B, H, Tq))
+    summed = q.stride(0) == 0 and B > 1   # dq: the sum over the batch of each image's gradient
+    dq_shape = (1 if summed else B, Tq, H, Dh)
+    for name, t, shape in (("dq", dq, dq_shape), ("dk", dk, k.shape), ("dv", dv, v.shape)):
+        check_head_tensor(name, t, shape, q.dtype)
+    scale = check_scale(scale, Dh)
+    precision = input_precision(q.dtype, allow_tf32)
+    dq = torch.empty(dq_shape, device=q.device, dtype=q.dtype) if dq is None else dq
+    dk = torch.empty((B, Tk, H, Dh), device=q.device, dtype=q.dtype) if dk is None else dk
+    dv = torch.empty((B, Tk, H, Dh), device=q.device, dtype=q.dtype) if dv is None else dv
+    # Each image's dq in fp32, summed over the batch in one deterministic reduction after the kernel.
+    dq_images = torch.empty((B, Tq, H, Dh), device=q.device, dtype=torch.float32) if summed else dq
+
+    delta = torch.empty((B, H, Tq), device=q.device, dtype=torch.float32)
+    delta_programs = B * H * triton.cdiv(Tq, DELTA_BLOCK_M)
+    _delta_kernel[(delta_programs,)](
+        o, do, delta, Tq, H, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
+        HEAD_DIM=Dh, BLOCK_D=block_d(Dh), BLOCK_M=DELTA_BLOCK_M, num_warps=4, **pdl(q.device, delta_programs),
+    )
+
+    def launch(config: Config) -> None:
+        programs = B * H * (backward_programs(Tk, config.block_m) + backward_programs(Tq, config.block_m))
+        _attention_backward_kernel[(programs,)](
+            q, k, v, do, lse, delta, dq_images, dk, dv,
+            Tq, Tk, H, scale, scale * LOG2E,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
+            dq_images.stride(0), dq_images.stride(1), dq_images.stride(2),
+            dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+            HEAD_DIM=Dh, BLOCK_D=block_d(Dh), INPUT_PRECISION=precision, BLOCK_M=config.block_m,
+            BLOCK_N=config.block_n, num_warps=config.warps, num_stages=config.stages, **pdl(q.device, programs),
+        )
+
+    key = (*tuning_sizes(B, H, Tq, Tk), Dh, precision)
+    launch(_BACKWARD_TUNER.pick(key, BACKWARD_CANDIDATES, launch, q.device))
+    if summed:
+        dq.copy_(dq_images.sum(0, keepdim=True))
+    return dq, dk, dv
+
+
+def backward_programs(T: int, block_m: int) -> int:
+    """The backward's programs a head over T rows (keys for dK/dV, queries for dQ): one per block_m, then one
+    per TAIL_N of the last T % block_m."""
+    return T // block_m + triton.cdiv(T % block_m, TAIL_N.value)
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **like_q: torch.Tensor | None
+                 ) -> tuple[int, int, int, int, int]:
+    """B, Tq, Tk, H, Dh of q [B, Tq, H, Dh] and k, v [B, Tk, H, Dh], each of them, and each tensor of like_q
+    (None: absent) of q's shape, in q's dtype (float) with unit stride along Dh."""
+    check_float("q", q)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [B, T, H, Dh], got shape {tuple(t.shape)}")
+    (B, Tq, H, Dh), Tk = q.shape, v.shape[1]
+    if not 16 <= Dh <= 256:
+        raise ValueError(f"head dim must be between 16 and 256, got {Dh}")
+    tensors = [("q", q, q.shape), ("k", k, (B, Tk, H, Dh)), ("v", v, (B, Tk, H, Dh))]
+    tensors += [(name, t, (B, Tq, H, Dh)) for name, t in like_q.items()]
+    for name, t, shape in tensors:
+        check_head_tensor(name, t, shape, q.dtype)
+    return B, Tq, Tk, H, Dh
+
+
+def check_head_tensor(name: str, t: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """t (None: absent) of this shape and dtype, with unit stride along its last (head) dim."""
+    if t is None:
+        return
+    check_shape(name, t, shape)
+    check_dtype(name, t, dtype)
+    if t.stride(3) != 1:
+        raise ValueError(f"{name} must have unit stride along the head dim, got strides {t.stride()}")
+
+
+def check_lse(lse: torch.Tensor, shape: tuple[int, int, int]) -> None:
+    """lse: the log-sum-exps [B, H, Tq], contiguous float32."""
+    check_shape("lse", lse, shape)
+    check_dtype("lse", lse, torch.float32)
+    if not lse.is_contiguous():
+        raise ValueError(f"lse must be contiguous, got strides {lse.stride()}")
+
+
+def check_scale(scale: float | None, head_dim: int) -> float:
+    """The scores' scale: head_dim ** -0.5 by default, else the given one, which must be positive."""
+    scale = head_dim ** -0.5 if scale is None else scale
+    if not scale > 0:
+        raise ValueError(f"scale must be positive, got {scale}")
+    return scale
+
+
+def block_d(head_dim: int) -> int:
+    """The head dim padded in registers: a power of two, at least 16 (a tensor-core product's k)."""
+    return max(16, triton.next_power_of_2(head_dim))
 
 
 def tuning_sizes(B: int, H: int, Tq: int, Tk: int) -> tuple[int, int, int]:

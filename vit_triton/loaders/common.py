@@ -1,14 +1,19 @@
 """What every loader shares: renaming a checkpoint's keys to ours, remembering where each tensor came from,
-and checking the result against the model it must fill, in the checkpoint's own names."""
+and checking the result against the model it must fill, in the checkpoint's own names; and the way back, our
+state dict into a checkpoint's layout by the same renaming rules."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterable
 
 import torch
 
 from ..model import ViT, ViTConfig
+
+# Settings of training, which no checkpoint layout records.
+TRAINING_FIELDS = ("drop_path_rate", "drop_rate", "pos_drop_rate")
 
 
 def square(size: int | list | tuple, name: str) -> int:
@@ -30,6 +35,39 @@ def rename(keys: Iterable[str], rules: list[tuple[str, str]]) -> dict[str, str]:
                 mapping[key] = new
                 break
     return mapping
+
+
+def expand(template: str, depth: int) -> list[str]:
+    """The checkpoint keys a layout template spells: {i} is each of `depth` blocks' number and each (a|b|...) group
+    one of its alternatives (groups nest)."""
+    start = template.find("(")
+    if start < 0:
+        return [template.replace("{i}", str(i)) for i in range(depth)] if "{i}" in template else [template]
+    level, cuts = 0, [start]
+    for end in range(start, len(template)):
+        level += {"(": 1, ")": -1}.get(template[end], 0)
+        if level == 1 and template[end] == "|":
+            cuts.append(end)
+        if level == 0:
+            break
+    options = [template[a + 1:b] for a, b in zip(cuts, cuts[1:] + [end])]
+    return [key for option in options for key in expand(template[:start] + option + template[end + 1:], depth)]
+
+
+def mlp_ratio(features: int, dim: int) -> float:
+    """A ratio r with int(dim * r) == features, as the libraries size a hidden layer from it."""
+    ratio = features / dim
+    return ratio if int(dim * ratio) == features else (features + 0.5) / dim
+
+
+def check_written(cfg: ViTConfig, read_back: ViTConfig, what: str) -> None:
+    """ValueError naming every field of cfg that a layout, read back as read_back, does not keep (training
+    settings aside): the model cannot be written as `what`."""
+    lost = [f"{f.name} {getattr(cfg, f.name)!r} (it would read back as {getattr(read_back, f.name)!r})"
+            for f in dataclasses.fields(cfg)
+            if f.name not in TRAINING_FIELDS and getattr(cfg, f.name) != getattr(read_back, f.name)]
+    if lost:
+        raise ValueError(f"cannot write the model as {what}, which does not hold its {'; '.join(lost)}")
 
 
 class Mapped:
@@ -70,32 +108,6 @@ class Mapped:
         else:
             self.tensors[key] = torch.cat(tensors)
             self.origin[key] = origin
-
-    def fold_layer_scale(self, depth: int) -> None:
-        """LayerScale (blocks.i.ls1 after proj, ls2 after fc2: a per-channel gamma multiplying the branch's
-        output) folded into that layer's weight rows and bias, in float32, so the model runs without it:
-        gamma * (h W^T + b) = h (gamma W)^T + gamma b. Blocks must all have it or none."""
-        pairs = [(f"blocks.{i}.{ls}", f"blocks.{i}.{layer}") for i in range(depth)
-                 for ls, layer in (("ls1", "proj"), ("ls2", "fc2"))]
-        if not any(ls in self.tensors for ls, _ in pairs):
-            return
-        for ls, layer in pairs:
-            if ls not in self.tensors:
-                theirs = self._their_names(ls)
-                self.problems.append(f"missing: {', '.join(theirs) if theirs else ls} (the layer scale of {layer})")
-                continue
-            gamma, origin = self.tensors.pop(ls), self.origin.pop(ls)
-            for key in (f"{layer}.weight", f"{layer}.bias"):
-                t = self.tensors.get(key)
-                if t is None:
-                    continue
-                if tuple(gamma.shape) != t.shape[:1]:
-                    self.problems.append(f"wrong shape: {origin[0]} is {list(gamma.shape)}, expected [{t.shape[0]}]")
-                    continue
-                dtype = torch.promote_types(t.dtype, torch.float32)
-                scale = gamma.to(dtype)
-                self.tensors[key] = t.to(dtype) * (scale[:, None] if t.dim() == 2 else scale)
-                self.origin[key] = self.origin[key] + origin
 
     def add_first_row(self, key: str, table: str) -> None:
         """tensors[key] += tensors[table][0] (in float32), which then loses that row: a position embedding's row
@@ -186,6 +198,59 @@ class Mapped:
                     if missing:
                         return missing
         return None
+
+
+class Unmapped:
+    """Our state dict on its way back into a checkpoint's layout: the inverses of Mapped's steps (split what it
+    joined, join what it split), then `unmap`, the inverse of its renaming by the loader's own rules."""
+
+    # A key bias that a layout has no place for may be left out (Mapped.zeros_like reads it back as zeros) where it is
+    # zero, or where it adds q . b_k to every score of a query alike, which the softmax cancels: without rotary
+    # embeddings, which rotate b_k by each key's position.
+    KEY_BIAS = r"blocks\.\d+\.k\.bias"
+
+    def __init__(self, state_dict: dict[str, torch.Tensor]) -> None:
+        self.tensors = {k: v.detach() for k, v in state_dict.items()}
+
+    def split(self, key: str, parts: dict[str, int]) -> None:
+        """tensors[key] cut along dim 0 into parts of so many rows each (Mapped.concat's inverse)."""
+        if key in self.tensors:
+            self.tensors.update(zip(parts, self.tensors.pop(key).split(list(parts.values()))))
+
+    def join(self, key: str, parts: list[str]) -> None:
+        """tensors[key] = the parts concatenated along dim 0 (Mapped.split's inverse)."""
+        if all(p in self.tensors for p in parts):
+            self.tensors[key] = torch.cat([self.tensors.pop(p) for p in parts])
+
+    def deinterleave(self, key: str, gate: str, value: str) -> None:
+        """Rows 2j of tensors[key] to gate, rows 2j + 1 to value (Mapped.interleave's inverse)."""
+        if key in self.tensors:
+            t = self.tensors.pop(key)
+            self.tensors[gate], self.tensors[value] = t[0::2], t[1::2]
+
+    def move(self, layer: str, new_layer: str) -> None:
+        for name in ("weight", "bias"):
+            if f"{layer}.{name}" in self.tensors:
+                self.tensors[f"{new_layer}.{name}"] = self.tensors.pop(f"{layer}.{name}")
+
+    def reshape(self, key: str, *shape: int) -> None:
+        if key in self.tensors:
+            self.tensors[key] = self.tensors[key].reshape(*shape)
+
+    def unmap(self, keys: Iterable[str], rules: list[tuple[str, str]], what: str,
+              rotary: bool = False) -> dict[str, torch.Tensor]:
+        """{checkpoint key: tensor} for each of `keys` (the layout's) that `rules` rename to one of ours;
+        ValueError naming those of ours that no key of the layout takes (`what` names the layout; rotary: the
+        model rotates q and k)."""
+        mapping = rename(keys, rules)
+        taken = set(mapping.values())
+        left = [k for k, t in self.tensors.items() if k not in taken
+                and not (re.fullmatch(self.KEY_BIAS, k) and not (rotary and t.any()))]
+        if left:
+            key_bias = " (the key third of qkv.bias, which must stay zero: with rotary embeddings it changes the " \
+                       "scores)" if any(re.fullmatch(self.KEY_BIAS, k) for k in left) else ""
+            raise ValueError(f"cannot write the model as {what}, which has no place for {', '.join(left)}{key_bias}")
+        return {theirs: self.tensors[ours] for theirs, ours in mapping.items() if ours in self.tensors}
 
 
 def build(cfg: ViTConfig, state_dict: dict[str, torch.Tensor], like: torch.Tensor) -> ViT:

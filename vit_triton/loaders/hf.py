@@ -5,14 +5,19 @@ tower (with its attention-pool head and, in an Aimv2Model, its projection).
 Keys come in the hub's spellings (transformers 4: encoder.layer.N.attention.attention.query,
 intermediate.dense, output.dense, ...; CLIP's encoder.layers.N.self_attn.q_proj, layer_norm1, ...) and in
 transformers 5's (layers.N.attention.q_proj, mlp.fc1, ...). All map here. q, k and v are concatenated into one
-QKV weight (a bias left out, as DINOv3's key bias, is zero); DINOv2's and DINOv3's LayerScale is folded into the
-layer before it; a gated MLP (DINOv3's gate_proj and up_proj, DINOv2 ViT-g's packed weights_in) becomes one fc1
+QKV weight (a bias left out, as DINOv3's key bias, is zero); DINOv2's and DINOv3's LayerScale stays the blocks' ls1
+and ls2; a gated MLP (DINOv3's gate_proj and up_proj, DINOv2 ViT-g's packed weights_in) becomes one fc1
 with gate and value rows interleaved; SigLIP's head (probe, attention.in_proj,
 out_proj, layernorm, mlp) becomes attn_pool (latent, q and kv, proj, norm, mlp); AIMv2's (cls_token, k_proj and
 v_proj, output_proj) attn_pool's latent, kv and proj, and its embeddings' rms_norm embed_norm. Not part of our forward:
 ViTModel's pooler (dense + tanh over the class token), mask tokens, the text tower of a CLIPModel or SiglipModel
 checkpoint and ViT-MAE's decoder. DeiT is ViT with a distillation token after the class token, and with a
-teacher, a second classifier on it (cls_classifier -> head, distillation_classifier -> head_dist).
+teacher, a second classifier on it (cls_classifier -> head, distillation_classifier -> head_dist). DINOv2's
+classifiers (Dinov2ForImageClassification) read the class token and the mean of the patch tokens: those whose mean
+half is zero (what vit_to_hf_state_dict writes) load, as a classifier of the class token.
+
+vit_to_hf_config and vit_to_hf_state_dict are the way back: our config and state dict as the transformers architecture
+of the model's family (written_architecture), named by the same rules.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from ..model import ViT, ViTConfig
-from .common import Mapped, build, square
+from .common import Mapped, Unmapped, build, expand, mlp_ratio, square
 
 _ACTIVATIONS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
                 "quick_gelu": "quick_gelu"}
@@ -29,7 +34,9 @@ _ACTIVATIONS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "g
 ARCHITECTURES = {
     "ViTModel": "vit", "ViTForImageClassification": "vit",
     "DeiTModel": "deit", "DeiTForImageClassification": "deit", "DeiTForImageClassificationWithTeacher": "deit",
-    "Dinov2Model": "dinov2", "Dinov2WithRegistersModel": "dinov2_with_registers", "DINOv3ViTModel": "dinov3_vit",
+    "Dinov2Model": "dinov2", "Dinov2ForImageClassification": "dinov2",
+    "Dinov2WithRegistersModel": "dinov2_with_registers",
+    "Dinov2WithRegistersForImageClassification": "dinov2_with_registers", "DINOv3ViTModel": "dinov3_vit",
     "CLIPVisionModel": "clip_vision_model", "CLIPVisionModelWithProjection": "clip_vision_model",
     "CLIPModel": "clip",
     "SiglipVisionModel": "siglip_vision_model", "SiglipModel": "siglip",
@@ -44,11 +51,15 @@ HF_ARCHITECTURES = tuple(ARCHITECTURES)
 _POS_RESAMPLES = {"dinov2": "bicubic_float32", "dinov2_with_registers": "bicubic_float32_antialias"}
 # What each returns as the image embedding (ViT.embedding): CLIP's projected class token where it has one.
 _PROJECTED = ("CLIPVisionModelWithProjection", "CLIPModel", "Aimv2Model")
+# Classifiers of [class token, mean of the patch tokens] (2 D columns).
+_PATCH_MEAN_HEADS = ("Dinov2ForImageClassification", "Dinov2WithRegistersForImageClassification")
 
 _LAYER = r"(?:encoder\.layers?|layers|(?:model\.)?layer)\.(\d+)\."
 _ATTENTION = r"(?:attention\.(?:attention\.)?|self_attn\.)"
-# ViTForImageClassification nests the model under "vit." (DeiT: "deit."), CLIP under "vision_model."
-_RULES = [(r"(?:vit\.|deit\.|dinov2\.|vision_model\.)?" + pattern, repl) for pattern, repl in [
+# ViTForImageClassification nests the model under "vit." (DeiT: "deit.", DINOv2: "dinov2.",
+# "dinov2_with_registers."), CLIP under "vision_model."
+_PREFIX = r"(?:vit\.|deit\.|dinov2\.|dinov2_with_registers\.|vision_model\.)?"
+_RULES = [(_PREFIX + pattern, repl) for pattern, repl in [
     (r"embeddings\.(?:cls_token|class_embedding)", "cls_token"),
     (r"embeddings\.distillation_token", "distillation_token"),
     (r"embeddings\.register_tokens", "reg_token"),
@@ -81,7 +92,7 @@ _RULES = [(r"(?:vit\.|deit\.|dinov2\.|vision_model\.)?" + pattern, repl) for pat
        (r"distillation_classifier\.(weight|bias)", r"head_dist.\1"),
        (r"visual_projection\.weight", "proj.weight")]
 # Not in our forward: the pooler, mask tokens, position ids, a CLIP checkpoint's text tower, MAE's decoder.
-_UNUSED = [(r"(?:vit\.|deit\.|dinov2\.|vision_model\.)?(?:pooler\.dense\.(?:weight|bias)|embeddings\.mask_token"
+_UNUSED = [(_PREFIX + r"(?:pooler\.dense\.(?:weight|bias)|embeddings\.mask_token"
             r"|embeddings\.position_ids)", ""),
            (r"(?:(?:text_model\.|decoder\.).*|text_projection\.weight|logit_scale|logit_bias)", "")]
 
@@ -139,7 +150,7 @@ def hf_config_to_vit(config: dict, num_classes: int = 0, head_dist: bool = False
         pool="map" if siglip else "token",
         num_classes=num_classes, dist_token=model_type == "deit", head_dist=head_dist,
         proj_dim=config["projection_dim"] if projection else 0,
-        pos_resample=_POS_RESAMPLES.get(model_type, "bicubic"),
+        pos_resample=_POS_RESAMPLES.get(model_type, "bicubic"), layer_scale=dinov2,
     )
 
 
@@ -161,7 +172,8 @@ def _dinov3_config(config: dict) -> ViTConfig:
         norm_eps=config.get("layer_norm_eps", 1e-5), act="swiglu" if gated else _ACTIVATIONS[act],
         reg_tokens=config.get("num_register_tokens", 0), abs_pos_embed=False,
         proj_bias=config.get("proj_bias", True), mlp_bias=config.get("mlp_bias", True),
-        rope="centered_inv_freq", rope_theta=config.get("rope_theta", 100.0), rope_half=True,
+        rope="centered_inv_freq", rope_theta=config.get("rope_theta", 100.0), rope_half=True, layer_scale=True,
+        key_bias="k" not in biasless_projections(config),
     )
 
 
@@ -192,7 +204,8 @@ def _aimv2_config(config: dict, projection: bool) -> ViTConfig:
 
 
 def hf_num_classes(state_dict: dict[str, torch.Tensor]) -> int:
-    """Rows of the classifier (ViTForImageClassification, DeiT's), 0 for a model without one."""
+    """Rows of the classifier (ViTForImageClassification's, DeiT's, or one save_pretrained wrote beside an encoder),
+    0 for a model without one."""
     head = state_dict.get("classifier.weight", state_dict.get("cls_classifier.weight"))
     return 0 if head is None else head.shape[0]
 
@@ -203,10 +216,12 @@ def biasless_projections(config: dict) -> str:
     return "".join(n for n, f in flags.items() if not f) if any(flags.values()) else ""
 
 
-def hf_state_dict_to_vit(state_dict: dict[str, torch.Tensor], cfg: ViTConfig,
-                         zero_biases: str = "") -> dict[str, torch.Tensor]:
+def hf_state_dict_to_vit(state_dict: dict[str, torch.Tensor], cfg: ViTConfig, zero_biases: str = "",
+                         patch_mean_head: bool = False) -> dict[str, torch.Tensor]:
     """Our state dict from a transformers one (any key spelling above); raises listing every mismatch by the
-    checkpoint's own key names. zero_biases: which of q, k, v have no bias in the checkpoint (zeros join qkv's)."""
+    checkpoint's own key names. zero_biases: which of q, k, v have no bias in the checkpoint (zeros join qkv's).
+    patch_mean_head: the classifier reads [class token, mean of the patch tokens] (DINOv2's); its mean half must be
+    zero."""
     mapped = Mapped(state_dict, _RULES, _UNUSED)
     d = cfg.embed_dim
     mapped.reshape("pos_embed", -1, d)
@@ -226,7 +241,14 @@ def hf_state_dict_to_vit(state_dict: dict[str, torch.Tensor], cfg: ViTConfig,
                 mapped.interleave(f"{b}fc1.{name}", f"{b}gate.{name}", f"{b}up.{name}")
         else:
             mapped.move(b + "up", b + "fc1")
-    mapped.fold_layer_scale(cfg.depth)
+    head = mapped.tensors.get("head.weight")
+    if patch_mean_head and head is not None and head.shape[-1] == 2 * d:
+        if head[:, d:].any():
+            mapped.problems.append(f"unsupported: {mapped.origin['head.weight'][0]} reads the mean of the patch tokens "
+                                   f"(its columns {d} to {2 * d - 1} are not all zero); supported: a classifier of the "
+                                   f"class token only")
+            mapped.reported.add("head.weight")
+        mapped.tensors["head.weight"] = head[:, :d]
     mapped.split("attn_pool.in_proj.weight", ["attn_pool.q.weight", "attn_pool.kv.weight"], d)
     mapped.split("attn_pool.in_proj.bias", ["attn_pool.q.bias", "attn_pool.kv.bias"], d)
     if cfg.pool == "map" and not cfg.pool_query_proj:   # AIMv2's head: k_proj and v_proj, no query projection
@@ -245,8 +267,9 @@ def hf_architecture_to_vit(architecture: str, config: dict, state_dict: dict[str
         raise ValueError(f"unsupported transformers architecture {architecture}; supported: "
                          f"{', '.join(HF_ARCHITECTURES)}")
     cfg = hf_config_to_vit(config, num_classes, head_dist=architecture.endswith("WithTeacher"),
-                           projection=architecture in _PROJECTED)
-    return cfg, hf_state_dict_to_vit(state_dict, cfg, biasless_projections(vision_config(config)))
+                           projection=architecture in _PROJECTED or "visual_projection.weight" in state_dict)
+    return cfg, hf_state_dict_to_vit(state_dict, cfg, biasless_projections(vision_config(config)),
+                                     architecture in _PATCH_MEAN_HEADS)
 
 
 def from_hf(module: torch.nn.Module) -> ViT:
@@ -258,3 +281,158 @@ def from_hf(module: torch.nn.Module) -> ViT:
     state_dict = module.state_dict()
     cfg, ours = hf_architecture_to_vit(name, module.config.to_dict(), state_dict, hf_num_classes(state_dict))
     return build(cfg, ours, next(module.parameters()))
+
+
+# The way back. What a model of each family (its vision encoder's model_type) is written as: (without a classifier,
+# with one). None: transformers' classifier of that family pools otherwise than ours (CLIP's and SigLIP's average the
+# patch tokens, DINOv3 and AIMv2 have none), so the head goes beside the encoder as classifier.weight and .bias,
+# which transformers leaves unused (it reports them as unexpected) and vit_triton reads back.
+_WRITTEN_AS = {
+    "vit": ("ViTModel", "ViTForImageClassification"), "vit_mae": ("ViTMAEModel", "ViTForImageClassification"),
+    "deit": ("DeiTModel", "DeiTForImageClassification"),
+    "dinov2": ("Dinov2Model", "Dinov2ForImageClassification"),
+    "dinov2_with_registers": ("Dinov2WithRegistersModel", "Dinov2WithRegistersForImageClassification"),
+    "dinov3_vit": ("DINOv3ViTModel", None), "clip_vision_model": ("CLIPVisionModel", None),
+    "siglip_vision_model": ("SiglipVisionModel", None), "aimv2_vision_model": ("Aimv2VisionModel", None),
+}
+# The keys of each family's encoder as transformers' save_pretrained writes them (the hub's spelling): {i} is each
+# block, (a|b) either, {mlp} DINOv2's MLP (fc1 and fc2, or SwiGLU's weights_in and weights_out). vit_to_hf_state_dict
+# names each of our tensors by the key here that _RULES, which read them, rename to it.
+_CLIP_BLOCKS = "encoder.layers.{i}.(self_attn.(q|k|v|out)_proj|layer_norm(1|2)|mlp.fc(1|2)).(weight|bias)"
+_VIT_LAYOUT = ["embeddings.(cls_token|distillation_token|position_embeddings)",
+               "embeddings.patch_embeddings.projection.(weight|bias)",
+               "encoder.layer.{i}.(attention.(attention.(query|key|value)|output.dense)|layernorm_(before|after)"
+               "|intermediate.dense|output.dense).(weight|bias)", "layernorm.(weight|bias)"]
+_DINOV2_LAYOUT = ["embeddings.(cls_token|register_tokens|position_embeddings)",
+                  "embeddings.patch_embeddings.projection.(weight|bias)",
+                  "encoder.layer.{i}.(attention.(attention.(query|key|value)|output.dense)|norm(1|2)|{mlp})"
+                  ".(weight|bias)",
+                  "encoder.layer.{i}.layer_scale(1|2).lambda1", "layernorm.(weight|bias)"]
+_LAYOUTS = {
+    "vit": _VIT_LAYOUT, "vit_mae": _VIT_LAYOUT, "deit": _VIT_LAYOUT,
+    "dinov2": _DINOV2_LAYOUT, "dinov2_with_registers": _DINOV2_LAYOUT,
+    "dinov3_vit": ["embeddings.(cls_token|register_tokens|patch_embeddings.(weight|bias))",
+                   "layer.{i}.attention.(q|k|v|o)_proj.weight",   # no key bias
+                   "layer.{i}.(attention.(q|v|o)_proj|norm(1|2)|mlp.(gate|up|down)_proj).(weight|bias)",
+                   "layer.{i}.layer_scale(1|2).lambda1", "norm.(weight|bias)"],
+    "clip_vision_model": ["embeddings.(class_embedding|patch_embedding.weight|position_embedding.weight)",
+                          "(pre_layrnorm|post_layernorm).(weight|bias)", _CLIP_BLOCKS],
+    "siglip_vision_model": ["embeddings.(patch_embedding.(weight|bias)|position_embedding.weight)", _CLIP_BLOCKS,
+                            "post_layernorm.(weight|bias)",
+                            "head.(probe|attention.in_proj_(weight|bias)|(attention.out_proj|layernorm|mlp.fc(1|2))"
+                            ".(weight|bias))"],
+    "aimv2_vision_model": ["embeddings.(patch_embed.(weight|bias)|position_embedding.weight|rms_norm.weight)",
+                           "encoder.layers.{i}.(attention.(q|k|v|out)_proj|rms_norm(1|2)|ffn.(gate|up|down)_proj)"
+                           ".(weight|bias)", "rms_norm.weight",
+                           "head.(cls_token|(k_proj|v_proj|output_proj).(weight|bias))"],
+}
+# The encoder's prefix in each architecture that nests it.
+_PREFIXES = {"ViTForImageClassification": "vit.", "DeiTForImageClassification": "deit.",
+             "DeiTForImageClassificationWithTeacher": "deit.", "Dinov2ForImageClassification": "dinov2.",
+             "Dinov2WithRegistersForImageClassification": "dinov2_with_registers.",
+             "CLIPVisionModelWithProjection": "vision_model."}
+_HIDDEN_ACTS = {ours: theirs for theirs, ours in reversed(_ACTIVATIONS.items())}   # the first spelling of each
+# Families whose tables are nn.Embedding weights [T, D] (and CLIP's class token one vector [D]), not [1, T, D].
+_UNBATCHED = ("clip_vision_model", "siglip_vision_model", "aimv2_vision_model")
+
+
+def written_architecture(source: str, cfg: ViTConfig) -> str:
+    """The transformers architecture a model read from `source` (one of HF_ARCHITECTURES) is written as: its family's
+    classifier class, or encoder class (_WRITTEN_AS); DeiT's with a teacher for a distillation head, CLIP's with a
+    projection for a projection. Two-tower models (CLIPModel, SiglipModel, Aimv2Model) become their vision tower."""
+    if source not in ARCHITECTURES:
+        raise ValueError(f"unsupported transformers architecture {source}; supported: {', '.join(HF_ARCHITECTURES)}")
+    family = ARCHITECTURES[source] + ("_vision_model" if ARCHITECTURES[source] in _TWO_TOWERS else "")
+    if cfg.head_dist:
+        return "DeiTForImageClassificationWithTeacher"
+    if family == "clip_vision_model" and cfg.proj_dim:
+        return "CLIPVisionModelWithProjection"
+    bare, classifier = _WRITTEN_AS[family]
+    return classifier if cfg.num_classes and classifier else bare
+
+
+def vit_to_hf_config(cfg: ViTConfig, architecture: str, id2label: dict[int, str]) -> dict:
+    """config.json of transformers' `architecture` for a model of config cfg (hf_config_to_vit's inverse; what
+    transformers defaults is left out), with its labels."""
+    model_type = ARCHITECTURES[architecture]
+    config = dict(architectures=[architecture], model_type=model_type, hidden_size=cfg.embed_dim,
+                  num_hidden_layers=cfg.depth, num_attention_heads=cfg.num_heads, image_size=cfg.image_size,
+                  patch_size=cfg.patch_size, num_channels=cfg.in_chans, intermediate_size=cfg.mlp_dim,
+                  hidden_act=_HIDDEN_ACTS.get(cfg.act, "silu"), layer_norm_eps=cfg.norm_eps, qkv_bias=cfg.qkv_bias)
+    if model_type.startswith("dinov2"):   # the MLP's width from mlp_ratio, SwiGLU's rounded to 2/3 and to 8
+        hidden = cfg.mlp_dim * 3 // 2 if cfg.act == "swiglu" else cfg.mlp_dim
+        del config["intermediate_size"]
+        ratio = mlp_ratio(hidden, cfg.embed_dim)
+        # transformers 5 takes an int where there is one (its config's type)
+        config.update(mlp_ratio=int(ratio) if ratio.is_integer() else ratio, use_swiglu_ffn=cfg.act == "swiglu")
+        if cfg.act == "swiglu":
+            config["hidden_act"] = "gelu"   # unused: SwiGLU's activation is SiLU
+        if model_type == "dinov2_with_registers":
+            config["num_register_tokens"] = cfg.reg_tokens
+    elif model_type == "dinov3_vit":
+        del config["qkv_bias"]
+        config.update(use_gated_mlp=cfg.act == "swiglu", num_register_tokens=cfg.reg_tokens, rope_theta=cfg.rope_theta,
+                      query_bias=cfg.qkv_bias, key_bias=False, value_bias=cfg.qkv_bias, proj_bias=cfg.proj_bias,
+                      mlp_bias=cfg.mlp_bias)
+    elif model_type == "aimv2_vision_model":
+        del config["layer_norm_eps"]
+        config.update(rms_norm_eps=cfg.norm_eps, mlp_bias=cfg.mlp_bias, use_head=cfg.pool == "map",
+                      is_native=cfg.pos_sincos)
+    elif model_type in ("clip_vision_model", "siglip_vision_model"):
+        del config["qkv_bias"]
+    if cfg.proj_dim:
+        config["projection_dim"] = cfg.proj_dim
+    if id2label:
+        config.update(id2label={str(i): name for i, name in id2label.items()},
+                      label2id={name: i for i, name in id2label.items()})
+    return config
+
+
+def vit_to_hf_state_dict(state_dict: dict[str, torch.Tensor], cfg: ViTConfig,
+                         architecture: str) -> dict[str, torch.Tensor]:
+    """Our state dict in the keys and shapes transformers' `architecture` saves (hf_state_dict_to_vit's inverse): q, k
+    and v split again, a gated MLP's gate and value rows apart (DINOv2's packed as weights_in), the prefix tokens as
+    their own tensors, the class token's position row that DINOv2 with registers folded into the token zero, and a
+    DINOv2 classifier's mean half zero. A head the architecture has no place for goes beside it (_WRITTEN_AS)."""
+    model_type, d = ARCHITECTURES[architecture], cfg.embed_dim
+    t = Unmapped(state_dict)
+    if cfg.fc_norm:
+        t.move("fc_norm", "norm")
+    for name in ("weight", "bias"):
+        if cfg.pool_query_proj:
+            t.join(f"attn_pool.in_proj.{name}", [f"attn_pool.q.{name}", f"attn_pool.kv.{name}"])
+        else:
+            t.split(f"attn_pool.kv.{name}", {f"attn_pool.k.{name}": d, f"attn_pool.v.{name}": d})
+        for i in range(cfg.depth):
+            b = f"blocks.{i}."
+            t.split(f"{b}qkv.{name}", {f"{b}{n}.{name}": d for n in "qkv"})
+            if cfg.act == "swiglu":
+                t.deinterleave(f"{b}fc1.{name}", f"{b}gate.{name}", f"{b}up.{name}")
+                if model_type.startswith("dinov2"):
+                    t.join(f"{b}fc1.{name}", [f"{b}gate.{name}", f"{b}up.{name}"])
+            elif model_type == "dinov3_vit":
+                t.move(f"{b}fc1", f"{b}up")
+    if cfg.reg_tokens and "pos_embed" in t.tensors:
+        pos = t.tensors["pos_embed"]
+        t.tensors["pos_embed"] = torch.cat([pos.new_zeros(1, d), pos])
+    t.split("prefix_tokens", {name: n for name, n in (("cls_token", int(cfg.class_token)),
+                                                       ("distillation_token", int(cfg.dist_token)),
+                                                       ("reg_token", cfg.reg_tokens)) if n})
+    for key in ("cls_token", "distillation_token", "reg_token", "pos_embed", "attn_pool.latent"):
+        t.reshape(key, 1, -1, d)
+    if model_type in _UNBATCHED:
+        t.reshape("pos_embed", -1, d)
+        t.reshape("cls_token", d)
+    if architecture in _PATCH_MEAN_HEADS and "head.weight" in t.tensors:
+        t.tensors["head.weight"] = torch.cat([t.tensors["head.weight"], torch.zeros_like(t.tensors["head.weight"])], 1)
+    prefix = _PREFIXES.get(architecture, "")
+    mlp = "mlp.weights_(in|out)" if cfg.act == "swiglu" else "mlp.fc(1|2)"
+    keys = [prefix + key for template in _LAYOUTS[model_type]
+            for key in expand(template.replace("{mlp}", mlp), cfg.depth)]
+    head = "cls_classifier" if architecture.endswith("WithTeacher") else "classifier"
+    keys += expand(f"({head}|distillation_classifier).(weight|bias)", 0) + ["visual_projection.weight"]
+    out = t.unmap(keys, _RULES, f"transformers {architecture}", rotary=cfg.rope != "none")
+    if model_type in ("dinov2", "dinov2_with_registers", "dinov3_vit"):   # unused in inference: transformers' init
+        shape = (1, 1, d) if model_type == "dinov3_vit" else (1, d)
+        out[prefix + "embeddings.mask_token"] = out[prefix + "embeddings.cls_token"].new_zeros(shape)
+    return out

@@ -4,16 +4,26 @@
 OpenCLIP's VisionTransformer keys: conv1 (no bias) -> patch_embed, class_embedding [D] and positional_embedding
 [T, D] -> prefix_tokens and pos_embed, ln_pre -> norm_pre, transformer.resblocks.N.{ln_1, attn.in_proj (q, k
 and v already one matrix), attn.out_proj, ln_2, mlp.c_fc, mlp.c_proj} -> blocks.N.{norm1, qkv, proj, norm2, fc1,
-fc2}, LayerScale ls_1/ls_2 folded into the layer before it, ln_post -> norm (fc_norm with
+fc2}, LayerScale ls_1/ls_2 -> blocks.N.ls1/ls2, ln_post -> norm (fc_norm with
 final_ln_after_pool), proj [D, E] (x @ proj) -> proj.weight [E, D].
+
+The way back is timm's layout (open_clip_to_timm): OpenCLIP has no classifier, and loads a tower only with its text
+tower, which we do not read.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
 from ..model import ViTConfig
 from .common import Mapped, square
+
+# OpenCLIP's normalization where preprocess_cfg leaves it out (open_clip.constants), and its resize modes as timm's
+# crop modes (the shorter side to the size then a center crop; both sides to the size).
+OPENAI_MEAN, OPENAI_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
+_CROP_MODES = {"shortest": "center", "squash": "squash"}
 
 _BLOCK = r"visual\.transformer\.resblocks\.(\d+)\."
 _RULES = [
@@ -67,6 +77,7 @@ def open_clip_config_to_vit(config: dict) -> ViTConfig:
         act="quick_gelu" if model_cfg.get("quick_gelu") else "gelu",
         patch_bias=False, pre_norm=not vision.get("no_ln_pre"), fc_norm=final_ln_after_pool,
         pool=_POOLS[pool], proj_dim=model_cfg.get("embed_dim", 512),
+        layer_scale=vision.get("ls_init_value") is not None,
     )
 
 
@@ -76,7 +87,29 @@ def open_clip_state_dict_to_vit(state_dict: dict[str, torch.Tensor], cfg: ViTCon
     mapped = Mapped(state_dict, _RULES, _UNUSED)
     mapped.concat("prefix_tokens", ["cls_token"])
     mapped.transpose("proj.weight")
-    mapped.fold_layer_scale(cfg.depth)
     if cfg.fc_norm:
         mapped.move("norm", "fc_norm")
     return mapped.check(cfg, "OpenCLIP")
+
+
+def open_clip_to_timm(state_dict: dict[str, torch.Tensor], cfg: ViTConfig,
+                      preprocess_cfg: dict) -> tuple[str, ViTConfig, dict[str, torch.Tensor], dict]:
+    """An OpenCLIP tower as timm's CLIP tower, the layout save_pretrained writes it in (OpenCLIP loads only both
+    towers): (timm architecture, the config that layout holds, our state dict for it, timm's pretrained_cfg). The
+    architecture is vit_base_patch16_clip_224 or its quickgelu variant, whose model_args give the sizes; the
+    projection becomes timm's head with a zero bias, as timm converts OpenCLIP's towers, so the model reads back as a
+    classifier whose logits are the image embedding."""
+    architecture = f"vit_base_patch16_clip_{'quickgelu_' if cfg.act == 'quick_gelu' else ''}224"
+    if cfg.proj_dim:
+        state_dict = dict(state_dict)
+        state_dict["head.weight"] = state_dict.pop("proj.weight")
+        state_dict["head.bias"] = state_dict["head.weight"].new_zeros(cfg.proj_dim)
+        cfg = dataclasses.replace(cfg, num_classes=cfg.proj_dim, proj_dim=0)
+    mode = preprocess_cfg.get("resize_mode") or "shortest"
+    if mode not in _CROP_MODES:
+        raise ValueError(f"unsupported OpenCLIP resize_mode {mode!r}; supported: {', '.join(_CROP_MODES)}")
+    pretrained_cfg = dict(input_size=[cfg.in_chans, cfg.image_size, cfg.image_size], crop_pct=1.0,
+                          crop_mode=_CROP_MODES[mode], interpolation=preprocess_cfg.get("interpolation") or "bicubic",
+                          mean=list(preprocess_cfg.get("mean") or OPENAI_MEAN),
+                          std=list(preprocess_cfg.get("std") or OPENAI_STD))
+    return architecture, cfg, state_dict, pretrained_cfg

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..model import ViT, ViTConfig
-from .common import build
+from .common import TRAINING_FIELDS, build
 from .files import OPEN_CLIP_CONFIG, CheckpointNotFound, find_checkpoint, read_json, read_weights
 from .open_clip import open_clip_config_to_vit, open_clip_state_dict_to_vit
 from .hf import ARCHITECTURES, HF_ARCHITECTURES, hf_architecture_to_vit, hf_num_classes
@@ -59,13 +59,13 @@ def read_checkpoint(name_or_path: str | os.PathLike) -> tuple[ViTConfig, dict[st
             files.source, "open_clip", "VisionTransformer", {},
             config.get("preprocess_cfg") or {})
     if "architecture" in config:
-        return _timm(files.source, config, state_dict)
+        return timm_checkpoint(files.source, config, state_dict)
     preprocessing = read_json(files.preprocessor) if files.preprocessor else {}
-    return _hf(files.source, config, state_dict, preprocessing)
+    return hf_checkpoint(files.source, config, state_dict, preprocessing)
 
 
 def from_pretrained(name_or_path: str | os.PathLike, *, device: torch.device | str | None = None,
-                    dtype: torch.dtype = torch.bfloat16) -> ViT:
+                    dtype: torch.dtype = torch.bfloat16, **training: float) -> ViT:
     """A ViT holding a checkpoint's weights, in eval mode, with `model.checkpoint` (CheckpointInfo:
     labels and preprocessing; vit_triton.data.Preprocess.for_model(model) applies the latter).
 
@@ -75,9 +75,15 @@ def from_pretrained(name_or_path: str | os.PathLike, *, device: torch.device | s
     pytorch_model.bin, sharded with an index or not, preprocessor_config.json for transformers; or
     OpenCLIP's open_clip_config.json with open_clip_model.safetensors or open_clip_pytorch_model.bin); or a
     local weights file with its config beside it. device: default CUDA if there is one, else CPU
-    (which needs TRITON_INTERPRET=1 to run).
+    (which needs TRITON_INTERPRET=1 to run). training: the regularization model.train() applies, timm's names
+    (ViTConfig's drop_path_rate, drop_rate, pos_drop_rate), which no checkpoint records.
     """
+    unknown = sorted(set(training) - set(TRAINING_FIELDS))
+    if unknown:
+        raise TypeError(f"from_pretrained() got unexpected keyword arguments {unknown}; the training settings it "
+                        f"takes: {', '.join(TRAINING_FIELDS)}")
     cfg, state_dict, info = read_checkpoint(name_or_path)
+    cfg = replace(cfg, **training)
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     model = build(cfg, state_dict, torch.empty(0, device=device, dtype=dtype))
@@ -89,17 +95,22 @@ def _unsupported(what: str) -> ValueError:
     return ValueError(f"unsupported architecture {what}; supported: {SUPPORTED}")
 
 
-def _hf(source: str, config: dict, state_dict: dict, preprocessing: dict):
+def hf_checkpoint(source: str, config: dict, state_dict: dict,
+                  preprocessing: dict) -> tuple[ViTConfig, dict[str, torch.Tensor], CheckpointInfo]:
+    """(config, state dict in our names, info) of a transformers checkpoint: its config.json, weights and
+    preprocessor_config.json."""
     model_type = config.get("model_type")
     bare = next((a for a, t in ARCHITECTURES.items() if t == model_type), f"model_type {model_type!r}")
     architecture = (config.get("architectures") or [bare])[0]
     if ARCHITECTURES.get(architecture) != model_type:
         raise _unsupported(f"{architecture} (transformers, model_type {model_type!r})")
     id2label = {int(k): v for k, v in (config.get("id2label") or {}).items()}
-    num_classes = 0
+    # An encoder's classifier is one that save_pretrained wrote beside it (its family's own pools otherwise).
+    num_classes = hf_num_classes(state_dict)
     if architecture.endswith(("Classification", "WithTeacher")):
         # A classifier's missing head must be reported missing, not turn the model into a bare one.
-        num_classes = hf_num_classes(state_dict) or len(id2label) or config.get("num_labels", 2)
+        num_classes = num_classes or len(id2label) or config.get("num_labels", 2)
+    if num_classes:
         if id2label and len(id2label) != num_classes:
             raise ValueError(f"{source}: config.json names {len(id2label)} labels (id2label), but the classifier "
                              f"has {num_classes} rows")
@@ -143,7 +154,9 @@ def _timm_eva(architecture: str, config: dict) -> ViTConfig | None:
     return timm_config_to_vit(module)
 
 
-def _timm(source: str, config: dict, state_dict: dict):
+def timm_checkpoint(source: str, config: dict,
+                    state_dict: dict) -> tuple[ViTConfig, dict[str, torch.Tensor], CheckpointInfo]:
+    """(config, state dict in our names, info) of a timm checkpoint: its config.json and weights."""
     architecture = config["architecture"]
     cfg = _timm_eva(architecture, config)
     if cfg is None and (not re.match(r"(vit|deit3?|aimv2)_", architecture)
@@ -207,6 +220,7 @@ def _timm_config(architecture: str, config: dict, sd: dict) -> ViTConfig:
         norm="rmsnorm" if "blocks.0.norm1.weight" in sd and "blocks.0.norm1.bias" not in sd else "layernorm",
         proj_bias="blocks.0.attn.proj.bias" in sd, mlp_bias="blocks.0.mlp.fc2.bias" in sd,
         embed_norm="patch_embed.norm.weight" in sd,
+        layer_scale=any(re.fullmatch(r"blocks\.\d+\.ls[12]\.gamma", k) for k in sd),
     )
 
 

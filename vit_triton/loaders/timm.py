@@ -4,11 +4,14 @@ patch embedding) and Eva (EVA02, the RoPE ViTs, DINOv3) -> vit-triton.
 timm's names are ours but for the nesting (attn.qkv -> qkv, mlp.fc1 -> fc1, patch_embed.proj ->
 patch_embed, patch_embed.norm -> embed_norm), the prefix tokens (cls_token, dist_token and reg_token become the
 rows of prefix_tokens) and
-the leading batch dimension of pos_embed. LayerScale (ls1, ls2: DeiT III, DINOv2; Eva's gamma_1, gamma_2) is
-folded into the layer before it. Eva's separate q, k, v projections (or q_bias and v_bias beside a bias-free qkv)
+the leading batch dimension of pos_embed. LayerScale (ls1.gamma, ls2.gamma: DeiT III, DINOv2; Eva's gamma_1, gamma_2)
+becomes the blocks' ls1 and ls2. Eva's separate q, k, v projections (or q_bias and v_bias beside a bias-free qkv)
 join into one qkv with k's bias zero; a gated MLP's two halves (GluMlp's packed fc1, gate first, or SwiGLU's fc1_g
 and fc1_x) become one fc1 with its gate and value rows interleaved; the rotary embedding's settings become the
 config's rope fields, and RoPE-mixed's learned frequencies rope_freqs.
+
+vit_to_timm is the way back: our config and state dict as a timm architecture's model_args and state dict, named
+by the same rules after the keys of the model timm builds (on the meta device).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch
 from torch import nn
 
 from ..model import ViT, ViTConfig
-from .common import Mapped, build
+from .common import Mapped, Unmapped, build, check_written, mlp_ratio
 
 _RULES = [
     (r"patch_embed\.proj\.(weight|bias)", r"patch_embed.\1"),
@@ -130,6 +133,7 @@ def timm_config_to_vit(module: nn.Module) -> ViTConfig:
         pos_resample="bicubic_float32_antialias",   # resample_abs_pos_embed, as dynamic_img_size runs it
         norm=kinds.pop() if kinds else "layernorm", proj_bias=block.attn.proj.bias is not None,
         mlp_bias=block.mlp.fc2.bias is not None, embed_norm=_is_norm(embed_norm),
+        layer_scale=not isinstance(block.ls1, nn.Identity),
     )
 
 
@@ -157,6 +161,14 @@ def _eva_rope(module: nn.Module) -> dict:
                 rope_xy=rope.grid_indexing == "xy", rope_offset=getattr(rope, "grid_offset", 0.0),
                 rope_ref_grid=tuple(ref) if ref is not None else None,
                 rope_cpu=not module.dynamic_img_size and kind != "mixed")
+
+
+def _key_biasless(attn: nn.Module) -> bool:
+    """Whether an Eva attention has a query and a value bias but no key bias (q_bias and v_bias beside a bias-free
+    qkv, or a bias-free k_proj), as EVA02 and DINOv3 do; the RoPE ViTs' fused qkv has all three."""
+    k_proj = getattr(attn, "k_proj", None)
+    return getattr(attn, "q_bias", None) is not None or (k_proj is not None and k_proj.bias is None
+                                                         and attn.q_proj.bias is not None)
 
 
 def _eva_config(module: nn.Module) -> ViTConfig:
@@ -200,7 +212,7 @@ def _eva_config(module: nn.Module) -> ViTConfig:
         num_classes=module.num_classes, pos_resample="bicubic_float32_antialias",
         abs_pos_embed=module.pos_embed is not None, proj_bias=attn.proj.bias is not None,
         mlp_bias=mlp.fc2.bias is not None, mlp_norm=not isinstance(getattr(mlp, "norm", nn.Identity()), nn.Identity),
-        **_eva_rope(module),
+        layer_scale=getattr(block, "gamma_1", None) is not None, key_bias=not _key_biasless(attn), **_eva_rope(module),
     )
 
 
@@ -223,7 +235,6 @@ def timm_state_dict_to_vit(state_dict: dict[str, torch.Tensor], cfg: ViTConfig) 
                 # GluMlp packs gate then value into fc1; SwiGLU keeps them apart
                 mapped.split(f"{b}fc1.{name}", [f"{b}gate.{name}", f"{b}value.{name}"], cfg.mlp_dim)
                 mapped.interleave(f"{b}fc1.{name}", f"{b}gate.{name}", f"{b}value.{name}")
-    mapped.fold_layer_scale(cfg.depth)
     mapped.reshape("attn_pool.latent", -1, cfg.embed_dim)
     return mapped.check(cfg, "timm VisionTransformer")
 
@@ -232,3 +243,63 @@ def from_timm(module: nn.Module) -> ViT:
     """vit-triton model with the weights, device and dtype of a timm VisionTransformer or Eva."""
     cfg = timm_config_to_vit(module)
     return build(cfg, timm_state_dict_to_vit(module.state_dict(), cfg), next(module.parameters()))
+
+
+def timm_model_args(cfg: ViTConfig, architecture: str) -> tuple[dict, nn.Module]:
+    """The create_model arguments that make timm's `architecture` a model of config cfg (the sizes, and for a
+    VisionTransformer its token and norm choices; the rest is the architecture's), and that model, built on the meta
+    device (no memory, no init); ValueError naming what the architecture would not hold."""
+    try:
+        import timm
+    except ImportError:
+        raise ImportError(f"writing a timm checkpoint ({architecture}) needs timm: pip install timm") from None
+    if not timm.is_model(architecture):
+        raise ValueError(f"unknown timm architecture {architecture!r}")
+    args = dict(img_size=cfg.image_size, patch_size=cfg.patch_size, in_chans=cfg.in_chans, embed_dim=cfg.embed_dim,
+                depth=cfg.depth, num_heads=cfg.num_heads, mlp_ratio=mlp_ratio(cfg.mlp_dim, cfg.embed_dim),
+                num_classes=cfg.num_classes, global_pool=cfg.pool)
+    if cfg.layer_scale:
+        args["init_values"] = 1.0   # any: the gammas are the weights'
+    if cfg.rope in ("axial", "centered") and not cfg.rope_cpu:   # tables computed on the device, as ours are
+        args["dynamic_img_size"] = True
+    if timm.models.model_entrypoint(architecture).__module__ != "timm.models.eva":
+        args.update(qkv_bias=cfg.qkv_bias, class_token=cfg.class_token, reg_tokens=cfg.reg_tokens,
+                    no_embed_class=not cfg.pos_embed_prefix, pre_norm=cfg.pre_norm, fc_norm=cfg.fc_norm)
+        if not cfg.final_norm:
+            args["final_norm"] = False
+    with torch.device("meta"):
+        module = timm.create_model(architecture, pretrained=False, **args)
+        hidden = module.blocks[0].mlp.fc2.in_features if cfg.depth else cfg.mlp_dim
+        if hidden != cfg.mlp_dim:   # GluMlp's mlp_ratio sizes its packed fc1: gate and value rows
+            args["mlp_ratio"] = mlp_ratio(cfg.mlp_dim * cfg.mlp_dim // hidden, cfg.embed_dim)
+            module = timm.create_model(architecture, pretrained=False, **args)
+    check_written(cfg, timm_config_to_vit(module), f"timm {architecture}")
+    return args, module
+
+
+def vit_to_timm(state_dict: dict[str, torch.Tensor], cfg: ViTConfig,
+                architecture: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(create_model arguments, state dict) of timm's `architecture` holding our model (timm_state_dict_to_vit's
+    inverse): the prefix tokens as cls_token, dist_token and reg_token, q, k and v split where the architecture
+    keeps them apart (Eva's q_proj, k_proj, v_proj; q_bias and v_bias), a gated MLP's gate and value rows apart
+    (GluMlp's packed into fc1, gate first), every tensor in the shape of the model timm builds."""
+    args, module = timm_model_args(cfg, architecture)
+    expected = module.state_dict()
+    t = Unmapped(state_dict)
+    t.split("prefix_tokens", {name: n for name, n in (("cls_token", int(cfg.class_token)),
+                                                       ("dist_token", int(cfg.dist_token)),
+                                                       ("reg_token", cfg.reg_tokens)) if n})
+    for i in range(cfg.depth):
+        b = f"blocks.{i}."
+        for name in ("weight", "bias"):
+            if f"{b}attn.qkv.{name}" not in expected:
+                t.split(f"{b}qkv.{name}", {f"{b}{n}.{name}": cfg.embed_dim for n in "qkv"})
+            if cfg.act == "swiglu":
+                t.deinterleave(f"{b}fc1.{name}", f"{b}gate.{name}", f"{b}value.{name}")
+                if f"{b}mlp.fc1.{name}" in expected:
+                    t.join(f"{b}fc1.{name}", [f"{b}gate.{name}", f"{b}value.{name}"])
+    out = t.unmap(expected, _RULES, f"timm {architecture}", rotary=cfg.rope != "none")
+    missing = [k for k in expected if k not in out]
+    if missing:
+        raise ValueError(f"cannot write the model as timm {architecture}, which needs {', '.join(missing)}")
+    return args, {k: v.reshape(expected[k].shape) for k, v in out.items()}

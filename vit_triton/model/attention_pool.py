@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops import fused_attention
+from ..ops import attention, mlp
 from .config import ACTIVATIONS
 from .layers import LayerNorm, Linear
 
@@ -27,7 +27,8 @@ class Mlp(nn.Module):
         self.fc2 = Linear(hidden, dim, tf32_input=True, **factory)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.fc1(h), residual=residual)
+        return mlp(h, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias, activation=self.fc1.activation,
+                   residual=residual, tf32_input=True)
 
 
 class AttentionPool(nn.Module):
@@ -63,12 +64,14 @@ class AttentionPool(nn.Module):
         stay where they are with the same version counters, and the float32 matmul precision (which decides its tf32
         rounding) stays the same. Computed at each call where that cannot be told or must not be kept: under
         torch.compile, inside a CUDA-graph capture (the graph then computes it from the weights where they lie, so
-        in-place updates reach it), and for inference tensors, which have no version counter."""
+        in-place updates reach it), for inference tensors, which have no version counter, and where autograd
+        records it (training)."""
         latent = self.latent[:1]
         if self.q is None:
             return latent
         params = [t for t in (self.latent, self.q.weight, self.q.bias) if t is not None]
         if (torch.compiler.is_compiling() or any(t.is_inference() for t in params)
+                or torch.is_grad_enabled() and any(t.requires_grad for t in params)
                 or latent.is_cuda and torch.cuda.is_current_stream_capturing()):
             return self.q(latent)
         made_from = (torch.get_float32_matmul_precision(), *((t.data_ptr(), t._version) for t in params))
@@ -82,8 +85,8 @@ class AttentionPool(nn.Module):
         head_dim = d // self.num_heads
         # kv's [B*T, 2D] output is read in place as k, v [B, T, H, Dh]; the one query is expanded over the batch.
         kv = self.kv(tokens.view(batch * num_tokens, d)).view(batch, num_tokens, 2, self.num_heads, head_dim)
-        q = self.query().view(1, 1, self.num_heads, head_dim).expand(batch, -1, -1, -1)
+        q = self.query().view(1, 1, self.num_heads, head_dim)
         # The latent as the query holds no tf32 values: the kernel rounds q, k and v (k, v lose nothing to it).
-        attn = fused_attention(q, kv[:, :, 0], kv[:, :, 1], tf32_input=self.q is not None, tf32_output=True)
+        attn = attention(kv, q, tf32_input=self.q is not None, tf32_output=True)
         x = self.proj(attn.view(batch, d))
         return x if self.mlp is None else self.mlp(self.norm(x), residual=x)

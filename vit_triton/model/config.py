@@ -54,6 +54,17 @@ class ViTConfig:
     tokens, D a multiple of 4). pool "map" without pool_query_proj: the learned query attends as it is, with no q
     projection; without pool_mlp: the pool's output is its proj, with no norm and MLP after it (both off:
     transformers' Aimv2AttentionPoolingHead).
+    layer_scale: LayerScale in every block (DeiT III, DINOv2, DINOv3, EVA02-L, the RoPE ViTs): a learned per-channel
+    gamma (the blocks' ls1 and ls2) multiplying the attention's and the MLP's output before the residual add, in
+    the proj and fc2 GEMMs' epilogues.
+    key_bias=False: the key projection has no bias (DINOv3, timm's Eva): the key third of the blocks' qkv.bias
+    holds zeros, and no gradient reaches it.
+    Training only (model.train(), timm's names and semantics): drop_path_rate, stochastic depth, the largest rate
+    of the linear ramp 0 .. drop_path_rate over the blocks (each block's attention and MLP branch dropped per image,
+    the kept ones scaled by 1 / keep, in the proj and fc2 GEMMs' epilogues); drop_rate, dropout of the pooled
+    features before the classifier; pos_drop_rate, dropout of the tokens after the position embedding. Dropout
+    inside the blocks (timm's proj_drop_rate, attn_drop_rate) is not offered: the fused epilogues and the attention
+    kernel have no per-element dropout.
     """
 
     image_size: int = 224
@@ -95,6 +106,11 @@ class ViTConfig:
     pos_sincos: bool = False
     pool_query_proj: bool = True
     pool_mlp: bool = True
+    layer_scale: bool = False
+    key_bias: bool = True
+    drop_path_rate: float = 0.0
+    drop_rate: float = 0.0
+    pos_drop_rate: float = 0.0
 
     def __post_init__(self) -> None:
         if self.image_size < self.patch_size:
@@ -132,6 +148,9 @@ class ViTConfig:
         if not (self.pool_query_proj and self.pool_mlp) and self.pool != "map":
             raise ValueError(f"pool_query_proj and pool_mlp shape the attention pool: pool_query_proj=False or "
                              f"pool_mlp=False needs pool 'map', got pool {self.pool!r}")
+        for name in ("drop_path_rate", "drop_rate", "pos_drop_rate"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
         self._check_rope()
 
     def _check_rope(self) -> None:

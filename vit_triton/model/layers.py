@@ -48,8 +48,12 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, scale: float = 1.0,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None, rope_half: bool = False,
-                rope_prefix: int = 0) -> torch.Tensor:
-        """rope, rope_half, rope_prefix: a QKV projection's rotary embedding (ops.linear)."""
-        return linear(x, self.weight, self.bias, activation=self.activation, residual=residual, scale=scale,
+                rope_prefix: int = 0, col_scale: torch.Tensor | None = None,
+                row_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """rope, rope_half, rope_prefix: a QKV projection's rotary embedding; col_scale: a LayerScale's gamma;
+        row_scale: stochastic depth's per-row scale (ops.linear); bias: in place of the layer's own (a function of
+        it)."""
+        bias = self.bias if bias is None else bias
+        return linear(x, self.weight, bias, activation=self.activation, residual=residual, scale=scale,
                       tf32_input=self.tf32_input, tf32_output=self.tf32_output, rope=rope, rope_half=rope_half,
-                      rope_prefix=rope_prefix)
+                      rope_prefix=rope_prefix, col_scale=col_scale, row_scale=row_scale)

@@ -84,7 +84,8 @@ class ResampledTables:
         grid = tuple(grid)
         if grid == self.grid:
             return table
-        if torch.compiler.is_compiling():   # part of the compiled graph: no Python state to keep
+        if torch.compiler.is_compiling() or torch.is_grad_enabled() and table.requires_grad:
+            # part of the compiled graph, or of the graph autograd records (training): no Python state to keep
             return resample(table, self.prefix, self.grid, grid, self.style)
         kept = self.tables.get(grid)
         if kept is None or kept[1] != tensor_state(table):

@@ -33,9 +33,13 @@ def norm(x: torch.Tensor, p: dict[str, torch.Tensor], name: str, cfg: ViTConfig)
 
 
 def reference_forward(cfg: ViTConfig, params: dict[str, torch.Tensor], pixels: torch.Tensor,
-                      features_only: bool = False) -> torch.Tensor:
+                      features_only: bool = False,
+                      branch_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
     """forward_features (features_only) or forward of a ViT with parameters `params` (state dict), for pixels of
-    any size the model takes (its position embedding resampled as pos_embed.resample does)."""
+    any size the model takes (its position embedding resampled as pos_embed.resample does). Differentiable: the
+    tests take the gradients of every parameter and of the pixels from it. branch_scales: for each block, the
+    per-image scales [B] of its attention and MLP branches (stochastic depth's draws, as timm's drop_path applies
+    them), or None for none."""
     p = params
     d = cfg.embed_dim
     grid = (pixels.shape[2] // cfg.patch_size, pixels.shape[3] // cfg.patch_size)
@@ -70,11 +74,12 @@ def reference_forward(cfg: ViTConfig, params: dict[str, torch.Tensor], pixels: t
             q, k = (rope_reference(t, *tables, cfg.rope_half, cfg.num_prefix_tokens) for t in (q, k))
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(batch, -1, d)
-        x = x + F.linear(a, p[b + "proj.weight"], p.get(b + "proj.bias"))
+        scales = (None, None) if branch_scales is None else branch_scales[i]
+        x = x + _branch(F.linear(a, p[b + "proj.weight"], p.get(b + "proj.bias")), p.get(b + "ls1"), scales[0])
         h = activation(F.linear(norm(x, p, b + "norm2", cfg), p[b + "fc1.weight"], p.get(b + "fc1.bias")), cfg.act)
         if cfg.mlp_norm:
             h = norm(h, p, b + "mlp_norm", cfg)
-        x = x + F.linear(h, p[b + "fc2.weight"], p.get(b + "fc2.bias"))
+        x = x + _branch(F.linear(h, p[b + "fc2.weight"], p.get(b + "fc2.bias")), p.get(b + "ls2"), scales[1])
     if "norm.weight" in p:
         x = norm(x, p, "norm", cfg)
     if features_only:
@@ -93,6 +98,13 @@ def reference_forward(cfg: ViTConfig, params: dict[str, torch.Tensor], pixels: t
     if cfg.proj_dim:
         x = F.linear(x, p["proj.weight"])
     return x
+
+
+def _branch(y: torch.Tensor, gamma: torch.Tensor | None, scale: torch.Tensor | None) -> torch.Tensor:
+    """A block's branch output [B, T, D] times its LayerScale gamma [D] and its images' scales [B], if any."""
+    if gamma is not None:
+        y = y * gamma
+    return y if scale is None else y * scale.to(y.dtype)[:, None, None]
 
 
 def attention_pool_reference(params: dict[str, torch.Tensor], prefix: str, x: torch.Tensor, num_heads: int,

@@ -97,7 +97,8 @@ class RopeTables:
     def __call__(self, grid: tuple[int, int], device: torch.device | str | None = None,
                  freqs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) for patch grid `grid` (rope_tables' arguments): the kept ones, brought up to date."""
-        if torch.compiler.is_compiling():   # part of the compiled graph: no Python state to keep
+        if torch.compiler.is_compiling() or freqs is not None and torch.is_grad_enabled() and freqs.requires_grad:
+            # part of the compiled graph, or of the graph autograd records (training): no Python state to keep
             return rope_tables(self.cfg, grid, device, freqs)
         key = self._key(grid, device, freqs)
         kept = self.tables.get(key)

@@ -13,14 +13,19 @@ adds only the bias, and the norm's kernel adds the table after normalising.
 
 from __future__ import annotations
 
-import torch
-from torch import nn
+import dataclasses
 
-from ..ops import ResidualStream, fused_attention, patch_embed, token_mean
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..ops import ResidualStream, attention, patch_embed, token_mean
 from .attention_pool import AttentionPool
 from .config import ViTConfig
 from .layers import LayerNorm, Linear
 from .pos_embed import ResampledTables, SincosTables
+from .reference import rope_reference
 from .rope import RopeTables
 
 
@@ -45,9 +50,11 @@ class Block(nn.Module):
     write what only the next matmul reads: with float32 matmuls on tf32 they store it rounded to tf32, so that
     matmul's K loop does not round it. defer_fc2=False: fc2 updates the stream itself (no norm reads it next).
     A gated MLP (act "swiglu") gates in fc1's epilogue; mlp_norm normalises its output before fc2. Rotary
-    embeddings (rope: cos, sin tables) rotate q and k of the patch tokens in the QKV GEMM's epilogue."""
+    embeddings (rope: cos, sin tables) rotate q and k of the patch tokens in the QKV GEMM's epilogue. LayerScale
+    (ls1, ls2) and stochastic depth (drop_path: the probability of dropping a branch for an image, in training)
+    scale the proj's and fc2's products in their epilogues, before the residual add."""
 
-    def __init__(self, cfg: ViTConfig, **factory) -> None:
+    def __init__(self, cfg: ViTConfig, drop_path: float = 0.0, **factory) -> None:
         super().__init__()
         d = cfg.embed_dim
         self.num_heads = cfg.num_heads
@@ -60,19 +67,47 @@ class Block(nn.Module):
                           **factory)
         self.mlp_norm = norm_layer(cfg, cfg.mlp_dim, tf32_output=True, **factory) if cfg.mlp_norm else None
         self.fc2 = Linear(cfg.mlp_dim, d, bias=cfg.mlp_bias, tf32_input=True, **factory)
+        # key_bias=False: the key third of qkv.bias is multiplied by zero where autograd records it, so that no
+        # gradient reaches it (a buffer outside the state dict)
+        mask = torch.tensor([1.0, 0.0, 1.0], device=factory.get("device")).repeat_interleave(d)
+        self.register_buffer("key_bias_mask", mask if cfg.qkv_bias and not cfg.key_bias else None, persistent=False)
+        self.ls1 = nn.Parameter(torch.ones(d, **factory)) if cfg.layer_scale else None
+        self.ls2 = nn.Parameter(torch.ones(d, **factory)) if cfg.layer_scale else None
+        self.drop_path = drop_path
         self.defer_fc2 = True
+
+    def _drop_path(self, batch: int, tokens: int, device: torch.device) -> torch.Tensor | None:
+        """In training, stochastic depth's row scale [B*T] (float32): per image 0 (dropped, with probability
+        drop_path) or 1 / keep, as timm's drop_path draws it; else None."""
+        if not (self.training and self.drop_path):
+            return None
+        keep = 1.0 - self.drop_path
+        return torch.empty(batch, device=device).bernoulli_(keep).div_(keep).repeat_interleave(tokens)
 
     def forward(self, x: ResidualStream, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> ResidualStream:
         batch, tokens, d = x.shape
         # The QKV GEMM's [B*T, 3D] output is read in place as q, k, v [B, T, H, Dh] views.
-        qkv = self.qkv(x.norm(self.norm1), rope=rope, rope_half=self.rope_half, rope_prefix=self.rope_prefix)
-        qkv = qkv.view(batch, tokens, 3, self.num_heads, d // self.num_heads)
-        attn = fused_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], tf32_input=True, tf32_output=True)
-        x = x.add(self.proj, attn.view(batch * tokens, d))
-        h = self.fc1(x.norm(self.norm2))
-        if self.mlp_norm is not None:
-            h = self.mlp_norm(h)
-        return x.add(self.fc2, h, defer=self.defer_fc2)
+        h, shape = x.norm(self.norm1), (batch, tokens, 3, self.num_heads, d // self.num_heads)
+        bias = self.qkv.bias
+        if self.key_bias_mask is not None and torch.is_grad_enabled() and bias.requires_grad:
+            bias = bias * self.key_bias_mask.to(bias.dtype)
+        if rope is not None and rope[0].requires_grad:
+            # RoPE-mixed's learned frequencies in training: q and k rotated by PyTorch, differentiable in the tables
+            qkv = self.qkv(h, bias=bias).view(shape)
+            q, k = (rope_reference(qkv[:, :, i], *rope, self.rope_half, self.rope_prefix) for i in (0, 1))
+            attn = attention(torch.stack([q, k, qkv[:, :, 2]], 2), tf32_output=True)
+        else:
+            qkv = self.qkv(h, bias=bias, rope=rope, rope_half=self.rope_half, rope_prefix=self.rope_prefix)
+            attn = attention(qkv.view(shape), tf32_input=True, tf32_output=True)
+        device = attn.device
+        x = x.add(self.proj, attn.view(batch * tokens, d), col_scale=self.ls1,
+                  row_scale=self._drop_path(batch, tokens, device))
+        h = x.norm(self.norm2)
+        if self.mlp_norm is None:
+            return x.add_mlp(self.fc1, self.fc2, h, col_scale=self.ls2,
+                             row_scale=self._drop_path(batch, tokens, device), defer=self.defer_fc2)
+        return x.add(self.fc2, self.mlp_norm(self.fc1(h)), defer=self.defer_fc2, col_scale=self.ls2,
+                     row_scale=self._drop_path(batch, tokens, device))
 
 
 class ViT(nn.Module):
@@ -102,7 +137,10 @@ class ViT(nn.Module):
         self.rope_freqs = (nn.Parameter(torch.zeros(self.rope_tables.freqs_shape, **factory))
                            if cfg.rope == "mixed" else None)
         self.norm_pre = norm_layer(cfg, d, **factory) if cfg.pre_norm else None
-        self.blocks = nn.ModuleList(Block(cfg, **factory) for _ in range(cfg.depth))
+        # Stochastic depth's rates rise linearly over the blocks, from 0 to drop_path_rate (timm's ramp).
+        rates = torch.linspace(0, cfg.drop_path_rate, cfg.depth).tolist() if cfg.depth else []
+        self.blocks = nn.ModuleList(Block(cfg, rate, **factory) for rate in rates)
+        self.grad_checkpointing = False
         self.norm = norm_layer(cfg, d, **factory) if cfg.final_norm and not cfg.fc_norm else None
         self.fc_norm = norm_layer(cfg, d, **factory) if cfg.fc_norm else None
         self.attn_pool = (AttentionPool(d, cfg.num_heads, cfg.mlp_dim, cfg.act, cfg.norm_eps, qkv_bias=cfg.qkv_bias,
@@ -166,6 +204,8 @@ class ViT(nn.Module):
         x = tokens.view(batch * num_tokens, d)
         if self.embed_norm is not None:
             x = self.embed_norm(x, post_add=pos)
+        if self.training and cfg.pos_drop_rate:
+            x = F.dropout(x, cfg.pos_drop_rate)
         if self.norm_pre is not None:
             x = self.norm_pre(x)
         x = ResidualStream(x, batch)
@@ -174,8 +214,15 @@ class ViT(nn.Module):
             cos, sin = self.rope_tables(grid, pixels.device, self.rope_freqs)
             # RoPE-mixed: a [H, T, Dh] table per block, the others one [T, Dh] table for all
             ropes = list(zip(cos, sin)) if self.rope_freqs is not None else [(cos, sin)] * cfg.depth
+        # Checkpointing only where autograd records the blocks (a frozen backbone runs as at inference).
+        checkpointed = self.grad_checkpointing and torch.is_grad_enabled() and (
+            x.tensor().requires_grad or any(p.requires_grad for p in self.blocks.parameters()))
         for block, rope in zip(self.blocks, ropes):
-            x = block(x, rope)
+            if checkpointed:   # the block's activations recomputed in the backward (drop path's masks too)
+                x = ResidualStream(checkpoint(lambda t, r, block=block: block(ResidualStream(t, batch), r).tensor(),
+                                              x.tensor(), rope, use_reentrant=False), batch)
+            else:
+                x = block(x, rope)
         x = x.norm(self.norm) if self.norm is not None else x.tensor()
         return x.view(batch, num_tokens, d)
 
@@ -199,6 +246,8 @@ class ViT(nn.Module):
             pooled = token_mean(features, self.config.num_prefix_tokens)
         if self.fc_norm is not None:
             pooled = self.fc_norm(pooled)
+        if self.training and self.config.drop_rate:
+            pooled = F.dropout(pooled, self.config.drop_rate)
         out = self.head if self.head is not None else self.proj
         if pre_logits or out is None:
             return pooled
@@ -212,3 +261,28 @@ class ViT(nn.Module):
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """Logits [B, num_classes] when the model has a classifier, else the image embedding (embedding())."""
         return self.forward_head(self.forward_features(pixels))
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Activation checkpointing (timm's name): in training each block keeps only its input, and its forward
+        runs again in the backward (drop path draws the same masks): less memory for about a third more time."""
+        self.grad_checkpointing = enable
+
+    def reset_classifier(self, num_classes: int) -> None:
+        """A new classifier of num_classes (timm's name; 0: none), on the pooled features: weights truncated-normal
+        (std 0.02) and zero bias, as timm initialises a ViT's head. A projection (CLIP's) or a distillation head
+        (DeiT's) is replaced by it; config records the change."""
+        factory = {"device": self.patch_embed.weight.device, "dtype": self.patch_embed.weight.dtype}
+        self.config = dataclasses.replace(self.config, num_classes=num_classes, proj_dim=0, head_dist=False)
+        self.head = Linear(self.config.embed_dim, num_classes, **factory) if num_classes else None
+        self.head_dist = self.proj = None
+
+    def group_matcher(self, coarse: bool = False) -> dict:
+        """Parameter groups by layer, as timm's VisionTransformer gives them: the stem, then each block, the final
+        norm last (the head and pooling after it), for layer-wise learning-rate decay
+        (timm.optim.param_groups_layer_decay)."""
+        return dict(stem=r"^prefix_tokens|pos_embed|patch_embed|rope_freqs|embed_norm|norm_pre",
+                    blocks=[(r"^blocks\.(\d+)", None), (r"^norm", (99999,))])
+
+    def no_weight_decay(self) -> set[str]:
+        """The matrices exempt from weight decay (timm's; 1-D parameters are exempt anyway)."""
+        return {"pos_embed", "prefix_tokens", "rope_freqs"}

@@ -206,7 +206,7 @@ def _broadcast(obj, world: int):
     return box[0]
 
 
-def _from_rank0(decide, rank: int, world: int):
+def from_rank0(decide, rank: int, world: int):
     """decide() on rank 0, and its result on every rank; its UsageError or OSError raised on every rank."""
     answer = error = None
     if rank == 0:
@@ -249,7 +249,7 @@ def embed(opts: EmbedOptions, log=lambda msg: print(msg, file=sys.stderr, flush=
             dist.destroy_process_group()
 
 
-def _device(option: str | None, local_rank: int) -> torch.device:
+def resolve_device(option: str | None, local_rank: int) -> torch.device:
     """--device, else cuda:LOCAL_RANK (one GPU a process), else the CPU."""
     if option:
         return torch.device(option)
@@ -264,7 +264,7 @@ def _device(option: str | None, local_rank: int) -> torch.device:
 
 def _embed(opts: EmbedOptions, rank: int, world: int, local_rank: int, log) -> Summary | None:
     wide = widen_hardware_queues()   # the CLI's call came before anything started CUDA; the API's comes here
-    device = _device(opts.device, local_rank)
+    device = resolve_device(opts.device, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     on_gpu = device.type == "cuda"
@@ -282,7 +282,7 @@ def _embed(opts: EmbedOptions, rank: int, world: int, local_rank: int, log) -> S
     with ExitStack() as held:
         # One run at a time into an output (two would take each other's chunks and temporary files): rank 0
         # holds the lock for every rank of this run until it ends, and a second run is refused before loading.
-        _from_rank0(lambda: held.enter_context(store.lock()), rank, world)
+        from_rank0(lambda: held.enter_context(store.lock()), rank, world)
         model = from_pretrained(opts.model, device=device, dtype=dtype)
         check_image_size(model, opts.image_size)
         pre = Preprocess.for_model(model, opts.image_size)
@@ -301,7 +301,7 @@ def _embed(opts: EmbedOptions, rank: int, world: int, local_rank: int, log) -> S
             inputs, state = store.prepare(lambda: _list(opts.input), log, overwrite=opts.overwrite)
             return state, None if inputs is None else store.pending(inputs)
 
-        state, pending = _from_rank0(plan, rank, world)
+        state, pending = from_rank0(plan, rank, world)
         if state == "complete":
             log(f"vit-triton embed: {opts.output} is already complete; nothing to do")
             return store.finished_summary() if rank == 0 else None

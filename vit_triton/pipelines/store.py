@@ -374,7 +374,7 @@ class Merge:
         rows = old["done"] + sum(m["rows"] for m in self.markers)
         skipped = (_read_tsv(store._base(store.skipped_file)) if self._base else []) + [
             (name, reason) for m in self.markers for name, reason in m["skipped"]]
-        write_atomic(store.skipped_file, lambda f: f.write(_tsv(skipped)))
+        write_atomic(store.skipped_file, lambda f: f.write(tsv_bytes(skipped)))
         meta = {"settings": store.settings, "done": rows, "skipped": len(skipped)}
         if is_shard(self.inputs[0]):  # what a later run compares INPUT with: its rows name members, not shards
             meta["shards"] = old.get("shards", []) + self.inputs
@@ -480,7 +480,7 @@ def _row_group(arrays: dict):
     return pa.table(columns)
 
 
-def _tsv(rows: list[tuple[str, str]]) -> bytes:
+def tsv_bytes(rows: list[tuple[str, str]]) -> bytes:
     text = io.StringIO()
     writer = csv.writer(text, delimiter="\t", lineterminator="\n")
     writer.writerow(["path", "reason"])
