@@ -99,7 +99,8 @@ def _check(model: ViT, pixels: torch.Tensor) -> torch.Tensor:
 def test_resampled_once_per_grid_and_again_after_pos_embed_changes(monkeypatch):
     calls = []
     monkeypatch.setattr(pos_embed, "resample", lambda *args: calls.append(args[3]) or resample(*args))
-    model = _model(reg_tokens=2, num_classes=5)
+    # Frozen, as at inference: a table autograd records (training) is resampled at each call, differentiably.
+    model = _model(reg_tokens=2, num_classes=5).requires_grad_(False)
     wide, tall = torch.randn(2, 3, 16, 40, device=DEVICE), torch.randn(1, 3, 32, 8, device=DEVICE)
     with torch.inference_mode():   # as the pipelines run it: the kept tables are still normal tensors
         first = _check(model, wide)
@@ -127,6 +128,11 @@ def test_resampled_once_per_grid_and_again_after_pos_embed_changes(monkeypatch):
     model.to(torch.bfloat16)   # another tensor: a new table in the new dtype
     _check(model, wide)
     assert len(calls) == 6 and model.pos_tables.tables[(2, 5)][0].dtype == torch.bfloat16
+
+    model.pos_embed.requires_grad_(True)   # training: resampled at each call, in the graph autograd records
+    assert model.pos_tables(model.pos_embed, (2, 5)).requires_grad
+    model(wide)
+    assert len(calls) == 8
 
 
 @pytest.mark.parametrize("shape", [(1, 3, 7, 24), (1, 3, 24, 5), (1, 3, 0, 24)])

@@ -150,6 +150,8 @@ def test_mixed_tables_follow_the_learned_freqs():
     cfg = ViTConfig(embed_dim=128, depth=2, num_heads=2, rope="mixed", rope_xy=True)
     tables = RopeTables(cfg)
     freqs = torch.nn.Parameter(torch.randn(tables.freqs_shape))   # timm's rope.freqs [2, depth, H, Dh / 2]
+    assert tables(GRID, freqs=freqs)[0].requires_grad   # training: computed at each call, differentiably
+    freqs.requires_grad_(False)   # as at inference: kept, and computed again when the frequencies change
     cos, sin = tables(GRID, freqs=freqs)
     assert cos.shape == (2, 2, 15, 64) and not cos.requires_grad and tables(GRID, freqs=freqs)[0] is cos
     # A block's slice is what its QKV projection takes: contiguous, one table per head.
