@@ -1,11 +1,14 @@
 """Runs every kernel through Triton's interpreter on machines without a CUDA device (TRITON_INTERPRET must
-be set before triton is imported, which conftest.py precedes); torch.compile's caches in a folder of this run's
+be set before triton is imported, which conftest.py precedes), patching the language once a launch and without
+the interpreter's overflow checks; torch.compile's caches in a folder of this run's
 own; `one_config` pins the tuned kernels to one launch config; `memory` is a fresh memory:// folder,
 `missing_protocol` an fsspec protocol without its package."""
 
 import atexit
+import dataclasses
 import importlib
 import importlib.util
+import inspect
 import os
 import shutil
 import tempfile
@@ -16,6 +19,57 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+
+
+def _patch_language_once_per_launch() -> None:
+    """Triton's interpreter (3.6 to 3.8) patches triton.language again at every call of a @triton.jit helper inside
+    a kernel, scanning all of the language's members each time: more than half of a training step's time here.
+    The launch's own patch stays in place until the kernel returns, so a helper whose language modules it already
+    covers skips the scan (the same code runs, about 2.5x faster); a helper that sees another module (triton's own
+    helpers see triton.language.core) patches that one, as before."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    patch = getattr(interpreter, "_patch_lang", None)
+    if patch is None:   # another interpreter: left as it is
+        return
+    patched, seen = set(), {}   # the language modules the running launch patched; each function's
+
+    def patch_once(fn):
+        langs = seen.get(fn)
+        if langs is None:
+            langs = seen[fn] = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+        if patched and langs <= patched:
+            return None   # a helper's call: its caller ignores the result
+        scope = patch(fn)
+        if not patched:   # the launch's own patch, which it restores when the kernel returns
+            restore = scope.restore
+
+            def restore_and_forget():
+                patched.clear()
+                restore()
+
+            scope.restore = restore_and_forget
+        patched.update(langs)
+        return scope
+
+    interpreter._patch_lang = patch_once
+
+
+def _no_overflow_checks() -> None:
+    """The interpreter checks every int32 add, subtract and multiply for overflow by redoing it in int64 (as
+    TRITON_DEBUG does on a GPU): about a third of its time, for index arithmetic that the tests' small shapes
+    cannot overflow. Off, as on the GPU by default."""
+    from triton.runtime import interpreter
+
+    builder = getattr(interpreter, "interpreter_builder", None)
+    if builder is not None and getattr(builder.options, "sanitize_overflow", False):
+        builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_language_once_per_launch()
+    _no_overflow_checks()
 # Inductor's on-disk cache can hand back a graph compiled against another checkout's ops (their argument lists
 # are not in its key): each test run compiles afresh.
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="vit-triton-inductor-")

@@ -21,41 +21,52 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from vit_triton.cli import torch_dtype  # noqa: E402
-from vit_triton.kernels.attention import CANDIDATES, ONE_PASS, _attention_kernel, key_pieces  # noqa: E402
-from vit_triton.kernels.layer_norm import _layer_norm_kernel  # noqa: E402
+from vit_triton.kernels.attention import (  # noqa: E402
+    BACKWARD_CANDIDATES, CANDIDATES, DELTA_BLOCK_M, ONE_PASS, _attention_backward_kernel, _attention_kernel,
+    _delta_kernel, key_pieces,
+)
+from vit_triton.kernels.layer_norm import _layer_norm_backward_kernel, _layer_norm_kernel  # noqa: E402
 from vit_triton.kernels.common import PDL_EARLY, PDL_LATE  # noqa: E402
 from vit_triton.kernels.tuning import Config  # noqa: E402
 from vit_triton.kernels.activation import ACTIVATIONS, gelu_fit_degree  # noqa: E402
 from vit_triton.kernels.linear import (  # noqa: E402
-    FLOAT32, LARGE_M, TINY_M, WIDE_RESIDUAL, _linear_plain_kernel, _linear_tma_kernel,
+    BACKWARD, FLOAT32, LARGE_M, PLAIN, TINY_M, WIDE_RESIDUAL, _column_sums_kernel, _grad_kernel,
+    _linear_backward_plain_kernel, _linear_backward_tma_kernel, _linear_plain_kernel, _linear_tma_kernel, _sum_kernel,
 )
-from vit_triton.kernels.patch_embed import _patch_embed_kernel  # noqa: E402
+from vit_triton.kernels.patch_embed import (  # noqa: E402
+    _patch_embed_dpixels_kernel, _patch_embed_dweight_kernel, _patch_embed_kernel,
+    _patch_embed_token_sums_kernel,
+)
 from vit_triton.kernels.resize import (  # noqa: E402
     BLOCK, FILTERS, POSITIONS, SUPPORT, _resize_pass_kernel, _resize_weights_kernel,
 )
 from vit_triton.kernels.chroma import MIN_IMAGES, TILE, _codes_kernel, _upsample_kernel  # noqa: E402
 from vit_triton.kernels.tf32 import _round_to_tf32_kernel  # noqa: E402
-from vit_triton.kernels.token_mean import _token_mean_kernel  # noqa: E402
+from vit_triton.kernels.token_mean import _token_mean_backward_kernel, _token_mean_kernel  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 FLOAT_ARGS = {"eps", "qk_scale", "scale"}
-# Integers that are multiples of 16 in every ViT launch (widths, row and head strides). Triton
-# specializes such arguments at launch; without that its pipeliner cannot prove 16-byte alignment
+# Integers that are multiples of 16 in every ViT launch (widths, row and head strides; the backward
+# products' P, Q and R, widths but dW's R, the rows, which no load's contiguous dimension is masked by).
+# Triton specializes such arguments at launch; without that its pipeliner cannot prove 16-byte alignment
 # and copies nothing ahead, so the PTX here would not be the one the GPU runs.
-ALIGNED_INTS = re.compile(r"[NKD]|stride_\w+|s[qkvo]_[bth]")
+ALIGNED_INTS = re.compile(r"[NKDPQR]|stride_\w+|s[qkvo]_[bth]")
 LINEAR_OUTPUT = "y"   # the TMA linear kernel's output: a descriptor, or a pointer
+# The backward's fp32 statistics and partial sums: log-sum-exp and rowsum(dO * O), a norm's mean and 1 / std,
+# a norm's and LayerScale's partial gradients.
+FLOAT32_POINTERS = {"lse_ptr", "delta_ptr", "stats_ptr", "dsum_ptr", "dgamma_ptr"}
 INDEX_POINTERS = {"table_ptr": "*i64", "images_ptr": "*i32", "first_ptr": "*i32", "taps_ptr": "*i32",   # resize's
                   "meta_ptr": "*i32", "codes_ptr": "*i32", "counts_ptr": "*i64"}   # and chroma's
 # Global loads, stores, copies and atomics in PTX (not the L2 prefetch, an inline asm block of its own).
 MEMORY_OP = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:(?:ld|st)\.global|cp\.async|atom\.|red\.)", re.M)
 
 
-def compile_kernel(kernel, dtype: str, options: dict, constexprs: dict, descriptors: dict | None = None) -> str:
+def compile_kernel(kernel, dtype: str, options: dict, constexprs: dict, types: dict | None = None) -> str:
     """PTX of `kernel` (a JITFunction or an Autotuner, whose first config is used) for sm_90.
 
     Pointer arguments (named *_ptr) get `dtype` ("tf32" means fp32 pointers) but the fp32 partial
-    sums of split K, integers i32; `descriptors` maps argument names to TMA descriptor block shapes
-    (those arguments' type)."""
+    sums of split K and the fp32 statistics, integers i32; `types` maps argument names to TMA descriptor
+    block shapes (those arguments' type) or to a type of their own ("*fp32")."""
     if isinstance(kernel, triton.runtime.Autotuner):
         config = kernel.configs[0]
         constexprs = {**constexprs, **config.kwargs}
@@ -64,10 +75,15 @@ def compile_kernel(kernel, dtype: str, options: dict, constexprs: dict, descript
     element = "fp32" if dtype == "tf32" else dtype
     signature = {}
     for p in kernel.params:
-        if p.is_constexpr or (p.name in constexprs and constexprs[p.name] is None):   # None: an absent argument
+        # given a value here: None (an absent argument) or 1 (an integer that Triton specializes at launch)
+        if p.is_constexpr or p.name in constexprs:
             signature[p.name] = "constexpr"
-        elif descriptors and p.name in descriptors:
-            signature[p.name] = f"tensordesc<{element}{list(descriptors[p.name])}>"
+        elif types and isinstance(types.get(p.name), str):
+            signature[p.name] = types[p.name]
+        elif types and p.name in types:
+            signature[p.name] = f"tensordesc<{element}{list(types[p.name])}>"
+        elif p.name in FLOAT32_POINTERS:
+            signature[p.name] = "*fp32"
         elif p.name == "parts_ptr" or (p.name in ("y", "y_ptr") and constexprs.get("SPLIT_K", 1) > 1):
             signature[p.name] = "*fp32"
         elif p.name in ("cos_ptr", "sin_ptr"):   # linear's rotary tables, float32 for every dtype
@@ -192,9 +208,80 @@ def cases():
     for name, kernel in (("chroma_codes", _codes_kernel), ("chroma_upsample", _upsample_kernel)):
         yield name, kernel, "u8", {"num_warps": 4}, dict(IMAGES=MIN_IMAGES, TILE_R=TILE[0], TILE_C=TILE[1]), None
 
+def linear_backward_case(name: str, dtype: str, dw: bool, split: int = 1, tma: bool = False, **flags):
+    """One of linear_backward's products with the first config of its path: dX = dz W (with fc1's activation's
+    derivative and its recomputed output where flags say), or dW = dz^T x cut into `split` slices of rows (fp32
+    partial sums) with LayerScale's d gamma; through pointers, or with tma the TMA kernel's descriptors."""
+    bm, bn, bk, warps, stages, _ = (BACKWARD if tma else PLAIN)[0]
+    act = flags.get("X_ACT", "none")
+    if act == "swiglu":   # d x_pre's tile twice the product's width, as linear_backward halves it
+        bn //= 2
+    constexprs = dict(DW=dw, STORE_OUT=True, X_ACT=act, GELU_FIT_DEGREE=gelu_fit_degree(torch_dtype(dtype), act),
+                      STORE_X=False, HAS_GAMMA=False, DGAMMA=False, INPUT_PRECISION="ieee", A_TF32=False,
+                      B_TF32=False, SPLIT=split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8)
+    constexprs.update(flags)
+    unused = {"x_pre_ptr": act == "none", "x_ptr": not constexprs["STORE_X"],
+              "gamma_ptr": not constexprs["HAS_GAMMA"], "w_ptr": not constexprs["DGAMMA"],
+              "dgamma_ptr": not constexprs["DGAMMA"]}
+    constexprs.update({arg: None for arg, absent in unused.items() if absent})
+    options = {"num_warps": warps, "num_stages": stages}
+    out = "out" if tma else "out_ptr"
+    types = {out: "*fp32"} if split > 1 else {}
+    if not tma:   # A's unit stride, specialized at launch: along R for dz (dX), along P for dz^T (dW)
+        constexprs["stride_ap" if dw else "stride_ar"] = 1
+        return name, _linear_backward_plain_kernel, dtype, options, constexprs, types
+    types.update(a_desc=(bk, bm) if dw else (bm, bk), b_desc=(bk, bn))
+    if split == 1:
+        types[out] = (bm, 2 * bn if act == "swiglu" else bn)
+    return name, _linear_backward_tma_kernel, dtype, options, dict(constexprs, OUT_TMA=split == 1), types
+
+
+def backward_cases():
+    """(name, kernel, dtype, options, constexprs, types) of the training kernels, in bf16: each product and
+    epilogue of linear_backward through both paths, attention's backward at a head dim of 64 and of 80, the
+    norms', the pooling's and the patch embedding's; and linear's in tf32."""
+    for tma in (False, True):
+        path = "-tma" * tma
+        # fc2's dX: GELU's derivative at fc1's pre-activation, and fc1's output recomputed for fc2's dW
+        yield linear_backward_case(f"linear{path}-backward-dx", "bf16", False, tma=tma, X_ACT="gelu", STORE_X=True)
+        yield linear_backward_case(f"linear{path}-backward-dx-swiglu", "bf16", False, tma=tma, X_ACT="swiglu")
+        yield linear_backward_case(f"linear{path}-backward-dw", "bf16", True, tma=tma)
+        # LayerScale's d gamma from the dW tiles, the rows cut into two slices
+        yield linear_backward_case(f"linear{path}-backward-dw-split", "bf16", True, 2, tma=tma, HAS_GAMMA=True,
+                                   DGAMMA=True)
+        yield linear_backward_case(f"linear{path}-backward-dw", "tf32", True, tma=tma, INPUT_PRECISION="tf32")
+    row_kernel = {"num_warps": 4}
+    yield ("grad", _grad_kernel, "bf16", row_kernel, dict(
+        row_scale_ptr=None, cos_ptr=None, sin_ptr=None, ACT="gelu", HAS_ROW_SCALE=False, HAS_SCALE=False,
+        ROPE=False, ROPE_HALF=False, HEAD_DIM=0, BLOCK_M=32, BLOCK_N=128), None)
+    yield ("sum_slices", _sum_kernel, "bf16", row_kernel, dict(BLOCK=1024), {"parts_ptr": "*fp32"})
+    yield ("column_sums", _column_sums_kernel, "bf16", row_kernel, dict(ROWS=256, BLOCK_M=32, BLOCK_N=128), None)
+    yield ("attention_delta", _delta_kernel, "bf16", row_kernel,
+           dict(HEAD_DIM=64, BLOCK_D=64, BLOCK_M=DELTA_BLOCK_M), None)
+    first = BACKWARD_CANDIDATES[0]
+    for head_dim, width in ((64, 64), (80, 128)):
+        yield (f"fused_attention-backward-{head_dim}", _attention_backward_kernel, "bf16",
+               {"num_warps": first.warps, "num_stages": first.stages},
+               dict(HEAD_DIM=head_dim, BLOCK_D=width, INPUT_PRECISION="ieee", BLOCK_M=first.block_m,
+                    BLOCK_N=first.block_n), None)
+    for rms in (False, True):   # LayerNorm's dx, d gamma and d beta; RMSNorm's with a post-added table's gradient
+        yield (f"layer_norm{'-rms' * rms}-backward", _layer_norm_backward_kernel, "bf16", row_kernel,
+               dict(RMS=rms, NEED_DX=True, NEED_DW=True, SUM_DY=True, PER_ROW=rms, BLOCK_M=4, BLOCK_D=1024),
+               {"dw_ptr": "*fp32"})
+    yield ("token_mean-backward", _token_mean_backward_kernel, "bf16", row_kernel, dict(BLOCK_T=16, BLOCK_D=256),
+           None)
+    # contiguous pixels: a unit stride along the image's rows, specialized at launch
+    yield ("patch_embed-backward-dpixels", _patch_embed_dpixels_kernel, "bf16", {},
+           dict(s_xw=1, PATCH=16, INPUT_PRECISION="ieee", W_TF32=False), None)
+    yield ("patch_embed-backward-dweight", _patch_embed_dweight_kernel, "bf16", {},
+           dict(s_pw=1, PATCH=16, INPUT_PRECISION="ieee"), {"dw_ptr": "*fp32"})
+    yield ("patch_token_sums", _patch_embed_token_sums_kernel, "bf16", row_kernel,
+           dict(HAS_POS=True, HAS_PREFIX=True, HAS_BIAS=True, BLOCK_T=16, BLOCK_D=128), {"bias_ptr": "*fp32"})
+
+
 def main() -> None:
-    for name, kernel, dtype, options, constexprs, descriptors in cases():
-        ptx = compile_kernel(kernel, dtype, options, constexprs, descriptors)
+    for name, kernel, dtype, options, constexprs, types in itertools.chain(cases(), backward_cases()):
+        ptx = compile_kernel(kernel, dtype, options, constexprs, types)
         prologue, *_, after_wait = ptx.split("griddepcontrol.wait")
         first_trigger = after_wait.find("griddepcontrol.launch_dependents")
         first_load = min((i for i in (after_wait.find(op) for op in ("ld.global", "cp.async")) if i >= 0), default=-1)

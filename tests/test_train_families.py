@@ -25,11 +25,18 @@ TIMM = {
     "clip": ("vit_base_patch16_clip_224", dict(num_classes=5)),
     "siglip-map": ("vit_base_patch16_siglip_224", dict(num_classes=0)),
     "aimv2": ("aimv2_large_patch14_224", dict(num_classes=0, mlp_ratio=1.5)),
+    # the attention pool's own heads and MLP width; the norm of the attention's output
+    "pe-core-map": ("vit_pe_core_tiny_patch16_384", dict(num_classes=0, attn_pool_num_heads=4, mlp_ratio=1.5)),
+    "eva02-clip-attn-norm": ("eva02_base_patch16_clip_224", dict(num_classes=5)),
 }
 HF = {
     "hf-vit": ("ViTForImageClassification", dict(num_labels=5)),
-    "hf-dinov3": ("DINOv3ViTModel", dict(layerscale_value=0.5, num_register_tokens=2)),
+    # transformers' DINOv3 rescales the RoPE coordinates at random in training by default; vit-triton does not
+    "hf-dinov3": ("DINOv3ViTModel", dict(layerscale_value=0.5, num_register_tokens=2, pos_embed_rescale=None)),
     "hf-siglip": ("SiglipVisionModel", {}),
+    # the position rows picked by bucketing; InternVL's LayerScale, q, k, v without bias and patch mean
+    "hf-smolvlm": ("SmolVLMVisionTransformer", dict(depth=1)),
+    "hf-internvl": ("InternVLVisionModel", dict(depth=1)),
 }
 
 
@@ -38,13 +45,13 @@ def losses(model, run, pixels, target) -> list[float]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
     out = []
     for _ in range(STEPS):
-        loss = F.mse_loss(run(model, pixels).float(), target)
+        loss = F.mse_loss(run(model, pixels).to(target.dtype), target)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         out.append(loss.item())
     with torch.no_grad():
-        out.append(F.mse_loss(run(model, pixels).float(), target).item())
+        out.append(F.mse_loss(run(model, pixels).to(target.dtype), target).item())
     return out
 
 

@@ -578,7 +578,7 @@ class ResidualStream:
         whole sum."""
         x = self.tensor()
         split = (defer and layer.activation == "none" and col_scale is None and row_scale is None
-                 and not _via_op(x, h, layer.weight, layer.bias))
+                 and not _recorded(x, h, layer.weight, layer.bias) and _autocast_dtype(x) is None)
         splits = split_k(h.shape[0], layer.weight.shape[0], h.shape[1], h.device) if split else 1
         if splits == 1:
             return ResidualStream(layer(h, residual=x, col_scale=col_scale, row_scale=row_scale), self.batch)

@@ -122,18 +122,22 @@ def activation_grad(x, g, ACT: tl.constexpr):
         gelu_tanh   s + 2 x s (1 - s) u'(x),  s = sigmoid(2 u) = (1 + tanh(u)) / 2, u = sqrt(2/pi) (x + 0.044715 x^3)
         quick_gelu  s + 1.702 x s (1 - s),    s = sigmoid(1.702 x)
         silu        s + x s (1 - s),          s = sigmoid(x)"""
+    # One return: the compiler type-checks the code after a return in a constexpr branch, where g * d would not fit
+    # swiglu's shapes.
     if ACT == "swiglu":
         gate, value = tl.split(tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
         s = _logistic(gate * _SILU_A)
         d_gate = g * value * (s + gate * s * (1.0 - s))
-        return tl.reshape(tl.join(d_gate, g * gate * s), [x.shape[0], x.shape[1]])
-    if ACT == "gelu":
-        tail, density = _normal_tail(x)
-        d = tl.where(x >= 0, 1.0 - tail, tail) + x * density * _INV_SQRT_2PI
-    elif ACT == "gelu_tanh":
-        s = _logistic(x * (_GELU_TANH_A + _GELU_TANH_B * x * x))
-        d = s + 2.0 * x * s * (1.0 - s) * _GELU_TANH_U * (1.0 + _GELU_TANH_DU * x * x)
-    else:   # quick_gelu
-        s = _logistic(x * _QUICK_GELU_A)
-        d = s + _QUICK_GELU_DS * x * s * (1.0 - s)
-    return g * d
+        dx = tl.reshape(tl.join(d_gate, g * gate * s), [x.shape[0], x.shape[1]])
+    else:
+        if ACT == "gelu":
+            tail, density = _normal_tail(x)
+            d = tl.where(x >= 0, 1.0 - tail, tail) + x * density * _INV_SQRT_2PI
+        elif ACT == "gelu_tanh":
+            s = _logistic(x * (_GELU_TANH_A + _GELU_TANH_B * x * x))
+            d = s + 2.0 * x * s * (1.0 - s) * _GELU_TANH_U * (1.0 + _GELU_TANH_DU * x * x)
+        else:   # quick_gelu
+            s = _logistic(x * _QUICK_GELU_A)
+            d = s + _QUICK_GELU_DS * x * s * (1.0 - s)
+        dx = g * d
+    return dx

@@ -108,6 +108,19 @@ def _tile_coords(tile, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _persistent_item(item, num_tiles, num_m, num_n, SPLIT: tl.constexpr, GROUP_M: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(split, pid_n, m0, n0) of item `item` of a persistent program's (tile, K slice) items: its K slice, its
+    tile's column index, first row and first column (the tiles in _tile_coords' order, slice by slice)."""
+    if SPLIT > 1:
+        split = item // num_tiles
+    else:
+        split = 0
+    pid_m, pid_n = _tile_coords(item % num_tiles, num_m, num_n, GROUP_M)
+    return split, pid_n, pid_m * BLOCK_M, pid_n * BLOCK_N
+
+
+@triton.jit
 def _rotate(x, m0, n0, M, cos_ptr, sin_ptr, s_head, tokens, prefix, heads, row0, HEAD_DIM: tl.constexpr,
             ROPE_HALF: tl.constexpr, INVERSE: tl.constexpr):
     """The QKV tile x [BM, BN] at (m0, n0) (columns [3, H, HEAD_DIM]) with its q and k channels of the rotated
@@ -315,14 +328,7 @@ def _linear_tma_kernel(
     # Each program walks (tile, slice) items pid, pid + grid, ...; flattening the two loops lets the
     # pipeliner issue the next tile's first loads while this tile's epilogue runs.
     for item in tl.range(tl.program_id(0), num_tiles * SPLIT_K, tl.num_programs(0), flatten=True):
-        tile = item % num_tiles
-        if SPLIT_K > 1:
-            split = item // num_tiles
-        else:
-            split = 0
-        pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
-        m0 = pid_m * BLOCK_M
-        n0 = pid_n * BLOCK_N
+        split, _, m0, n0 = _persistent_item(item, num_tiles, num_m, num_n, SPLIT_K, GROUP_M, BLOCK_M, BLOCK_N)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for step in range(0, slice_steps):
             k = split * slice_steps + step
@@ -866,14 +872,7 @@ def _linear_backward_tma_kernel(
     num_tiles = num_m * num_n
     slice_steps = tl.cdiv(tl.cdiv(R, BLOCK_K), SPLIT)
     for item in tl.range(tl.program_id(0), num_tiles * SPLIT, tl.num_programs(0), flatten=True):
-        tile = item % num_tiles
-        if SPLIT > 1:
-            split = item // num_tiles
-        else:
-            split = 0
-        pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
-        m0 = pid_m * BLOCK_M
-        n0 = pid_n * BLOCK_N
+        split, pid_n, m0, n0 = _persistent_item(item, num_tiles, num_m, num_n, SPLIT, GROUP_M, BLOCK_M, BLOCK_N)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if PRODUCT:
             for step in range(0, slice_steps):
