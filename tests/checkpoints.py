@@ -34,15 +34,17 @@ def hf_model(cls_name: str, seed: int = 0, depth: int = TINY_HF["num_hidden_laye
 
 
 def family_outputs(model, pixels):
-    """A transformers DINOv2, DINOv3, CLIP, SigLIP, ViT-MAE or AIMv2 encoder's last_hidden_state, the image
-    embedding its library defines, and the pooled features before a projection; at any input size, as each resamples
-    its position embedding (interpolate_pos_encoding; DINOv2 always does; AIMv2 cannot, but for its native
-    checkpoints' sin-cos table, built for any grid). An Aimv2VisionModel without its head has no pooler_output:
-    the mean of last_hidden_state stands for it (what timm's AIMv2 pools, and vit-triton)."""
+    """A transformers DINOv2, DINOv3, CLIP, SigLIP, ViT-MAE, AIMv2, Idefics3, SmolVLM or InternVL encoder's
+    last_hidden_state, the image embedding its library defines, and the pooled features before a projection; at any
+    input size, as each resamples its position embedding (interpolate_pos_encoding; DINOv2, Idefics3, SmolVLM and
+    InternVL always do; AIMv2 cannot, but for its native checkpoints' sin-cos table, built for any grid). Where a
+    model has no pooler_output (AIMv2 and SigLIP without their heads, Idefics3, SmolVLM), the mean of
+    last_hidden_state stands for it (what timm's AIMv2 pools, and vit-triton); InternVL's is the one its docs give:
+    the mean of the patch tokens (use_mean_pooling), else the class token."""
     import transformers
 
-    # DINOv2 always resamples its position embedding; DINOv3 has none; AIMv2 takes no such argument
-    fixed = ("Dinov2", "DINOv3", "Aimv2")
+    # DINOv2 always resamples its position embedding; DINOv3 has none; the others take no such argument
+    fixed = ("Dinov2", "DINOv3", "Aimv2", "Idefics3", "SmolVLM", "InternVL")
     any_size = {} if type(model).__name__.startswith(fixed) else {"interpolate_pos_encoding": True}
 
     if isinstance(model, transformers.ViTMAEModel):   # no masking: mask_ratio 0 and the patches kept in order
@@ -54,8 +56,12 @@ def family_outputs(model, pixels):
         out = model.vision_model(pixels, **any_size)
         return out.last_hidden_state, model.visual_projection(out.pooler_output), out.pooler_output
     out = (model.vision_model if isinstance(model, transformers.SiglipModel) else model)(pixels, **any_size)
-    pooled = out.last_hidden_state.mean(1) if out.pooler_output is None else out.pooler_output
-    return out.last_hidden_state, pooled, pooled
+    features = out.last_hidden_state
+    if isinstance(model, transformers.InternVLVisionModel):
+        pooled = features[:, 1:].mean(1) if model.config.use_mean_pooling else features[:, 0]
+    else:
+        pooled = features.mean(1) if out.pooler_output is None else out.pooler_output
+    return features, pooled, pooled
 
 
 def save_hf(model: torch.nn.Module, directory: Path, processor: dict | None = None, **save_kw) -> Path:
@@ -104,6 +110,42 @@ def save_timm(model: torch.nn.Module, directory: Path, weights: str = "model.saf
     else:
         torch.save(sd, directory / weights)
     return directory
+
+
+# OpenCLIP towers whose trunk is a timm model, as OpenCLIP's TimmModel makes them: the trunk's head as the
+# projection (EVA02-CLIP, PE-Core), or none (SigLIP), or a projection after the trunk (timm_proj "linear")
+OPEN_CLIP_TIMM = {
+    "eva02-clip-head": ("eva02_base_patch16_clip_224", "token", None),
+    "pe-core-map-head": ("vit_pe_core_tiny_patch16_384", "map", None),
+    "siglip-map-no-projection": ("vit_base_patch16_siglip_224", "map", "none"),
+    "vit-linear-projection": ("vit_medium_patch16_gap_256", "", "linear"),
+}
+
+
+def open_clip_timm_tower(directory: Path, case: str, monkeypatch) -> torch.nn.Module:
+    """A randomized OpenCLIP model of OPEN_CLIP_TIMM's `case`, in eval mode, saved in `directory` as OpenCLIP's hub
+    repositories are. OpenCLIP's TimmModel passes timm no sizes: for the test, timm.create_model makes every
+    architecture tiny (monkeypatch), for OpenCLIP and the loader alike."""
+    import pytest
+    import timm
+    from safetensors.torch import save_file
+
+    open_clip = pytest.importorskip("open_clip")   # a test extra
+    name, pool, proj = OPEN_CLIP_TIMM[case]
+    if not timm.is_model(name):
+        pytest.skip(f"this timm has no {name}")
+    create = timm.create_model
+    tiny = dict(img_size=32, patch_size=8, embed_dim=64, num_heads=2, depth=1)
+    monkeypatch.setattr(timm, "create_model", lambda arch, **kw: create(arch, **{
+        **tiny, **(dict(attn_pool_num_heads=4) if arch.startswith("vit_pe_core") else {}), **kw}))
+    model_cfg = dict(embed_dim=40, vision_cfg=dict(image_size=32, timm_model_name=name, timm_pool=pool,
+                                                   timm_proj=proj, timm_proj_bias=proj == "linear"),
+                     text_cfg=dict(context_length=8, vocab_size=50, width=32, heads=2, layers=1))
+    ref = randomize_(open_clip.CLIP(**model_cfg)).eval()
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "open_clip_config.json").write_text(json.dumps(dict(model_cfg=model_cfg, preprocess_cfg={})))
+    save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, directory / "open_clip_model.safetensors")
+    return ref
 
 
 def image(seed: int, height: int, width: int, mode: str = "RGB") -> Image.Image:

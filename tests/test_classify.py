@@ -83,8 +83,8 @@ def test_text_output_and_unreadable_images(capsys):
     assert [lines[0], lines[3]] == ["img1.png", "img0.jpg"] and len(lines) == 6
     assert all(line.startswith("  0.") and line[8:10] == "  " and line[10:] in LABELS.values()
                for line in lines[1:3] + lines[4:6])
-    assert "vit-triton classify: cannot read bad/empty.jpg: empty file" in err
-    assert "vit-triton classify: cannot read bad/notes.txt: not an image" in err
+    assert "vit-triton classify: bad/empty.jpg: empty file" in err
+    assert "vit-triton classify: bad/notes.txt: not an image" in err
 
 
 def test_json_lists_unreadable_images_with_the_reason(capsys):
@@ -92,6 +92,18 @@ def test_json_lists_unreadable_images_with_the_reason(capsys):
     results = json.loads(capsys.readouterr().out)
     assert results[0]["path"] == "bad/truncated.jpg" and results[0]["error"].startswith("truncated or corrupt")
     assert len(results[1]["predictions"]) == 5  # top-k 5 of 5 classes
+
+
+def test_nan_logits_are_an_error_naming_the_image(tmp_path, capsys):
+    model = hf_model("ViTForImageClassification", num_labels=5)
+    with torch.no_grad():
+        model.classifier.bias[2] = float("nan")
+    save_hf(model, tmp_path / "nan")
+    assert main(["classify", "img1.png", "bad/empty.jpg", "--model", str(tmp_path / "nan"), "--json"]) == 1
+    nan = "NaN or infinite output (the checkpoint's weights or preprocessing make one, or a value overflows the dtype)"
+    out, err = capsys.readouterr()
+    assert json.loads(out) == [{"path": "img1.png", "error": nan}, {"path": "bad/empty.jpg", "error": "empty file"}]
+    assert f"vit-triton classify: img1.png: {nan}\n" in err
 
 
 def test_timm_distilled_deit_with_label_names(tmp_path, capsys):

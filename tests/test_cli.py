@@ -1,10 +1,12 @@
 """`vit-triton verify`, the README's main job, end to end through the interpreter."""
 
 import importlib
+import importlib.metadata
 import re
 import sys
 
 import pytest
+import torch
 
 from vit_triton.cli import main
 from vit_triton.utils import MissingExtra, image_size
@@ -45,6 +47,34 @@ def test_usage_errors_exit_2_with_the_expected_value(argv, match, capsys):
         main(argv)
     err = capsys.readouterr().err
     assert exit.value.code == 2 and f"vit-triton {argv[0]}: error: " in err and match in err, err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the errors of a machine without CUDA")
+@pytest.mark.parametrize("command", [["classify", "a.jpg"], ["embed", "imgs", "--output", "o.npy"],
+                                     ["finetune", "imgs", "--output", "out"]])
+@pytest.mark.parametrize("device", ["cuda", "tpu"])
+def test_a_device_this_machine_lacks_exits_2_naming_those_it_has(command, device, capsys):
+    assert main([*command, "--model", "m", "--device", device]) == 2
+    assert capsys.readouterr().err == (f"vit-triton {command[0]}: error: --device {device}: expected a device of this "
+                                       f"machine: cpu (it has no CUDA device)\n")
+
+
+def test_version_is_the_installed_packages(capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["--version"])
+    version = importlib.metadata.version("vit-triton")
+    assert exit.value.code == 0 and capsys.readouterr().out == f"vit-triton {version}\n"
+
+
+def test_embed_help_names_the_model_families_and_what_the_output_files_hold(capsys):
+    with pytest.raises(SystemExit):
+        main(["embed", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert ("Supported families: ViT, DeiT, DINOv2, DINOv3, EVA02, RoPE ViT, CLIP (OpenCLIP's towers too), SigLIP, "
+            "ViT-MAE, AIMv2, from transformers or timm") in text
+    assert ('emb.paths.json, a JSON object: "paths" (the rows\' paths, in order) and the run\'s "settings", "cwd", '
+            '"done", "skipped"') in text
+    assert "emb.inputs.tsv path, size and mtime_ns of each input" in text
 
 
 @pytest.mark.parametrize("text, size", [("24", (24, 24)), ("24x40", (24, 40)), (" 48 X 16 ", (48, 16))])

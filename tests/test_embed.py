@@ -3,7 +3,6 @@ bad files listed, resume after kill -9 (which takes the DataLoader workers with 
 into an output, re-runs that add INPUT's new files, and a 2-process torchrun (gloo) equal to one process;
 for folders of images and for tar shards, local and through fsspec (memory://)."""
 
-import functools
 import json
 import os
 import re
@@ -17,16 +16,17 @@ import numpy as np
 import pytest
 import torch
 
+from PIL import Image
+
 from tests.checkpoints import hf_model, save_hf, save_timm, timm_model, write_bad_files, write_images, write_shard
 from tests.numerics import DEVICE, assert_close
-from vit_triton import from_pretrained
+from vit_triton import embed_images, from_pretrained
 from vit_triton.cli import main
 from vit_triton.data import Preprocess, UnreadableImage, decode_image, load_image
 from vit_triton.data.decode import WIDE_QUEUES, widen_hardware_queues
 from vit_triton.data.sources import expand_braces, list_inputs
-from vit_triton.pipelines import store as store_module
 from vit_triton.pipelines.embed import embedding_fn, resolve_device as embed_device
-from vit_triton.pipelines.store import ChunkStore, UsageError
+from vit_triton.pipelines.store import UsageError
 from vit_triton.runtime import CUDAGraphRunner
 
 pq = pytest.importorskip("pyarrow.parquet")
@@ -440,49 +440,6 @@ def test_a_rerun_adds_the_new_inputs_and_names_the_removed_ones(output, options,
     assert "done 8, skipped 2" in out.out
 
 
-def _store_run(store: ChunkStore, inputs: list[str]) -> None:
-    """A run into `store` without a model: input "7" has the embedding [7]."""
-    inputs, _ = store.prepare(lambda: inputs, log=lambda msg: None)
-    for k in store.pending(inputs):
-        rows = store.chunk_range(k, inputs)
-        store.write_part(k, 0, [inputs[i] for i in rows], np.array([[int(inputs[i])] for i in rows]), None)
-        store.finish_chunk(k, 1, len(rows), [])
-    with store.merging(inputs) as merge:
-        merge.finish()
-
-
-def test_an_output_of_image_files_is_not_added_to_from_shards(tmp_path):
-    store = ChunkStore(tmp_path / "e.npy", {"input": str(tmp_path), "chunk_size": 2})
-    _store_run(store, ["0", "1", "2"])
-    with pytest.raises(UsageError, match=r"e.npy was written from image files, but INPUT now names tar shards: pass "
-                                         r"--overwrite to start over"):
-        store.prepare(lambda: ["3.tar"], log=lambda msg: None)
-
-
-def test_adding_to_an_output_survives_a_kill_while_merging(tmp_path, monkeypatch):
-    # The merge reads the finished output's files as they were when the run started (hard links in the work
-    # directory), not the output being replaced: killed between its .npy and its paths file, a resumed run
-    # writes every row once.
-    store = ChunkStore(tmp_path / "e.npy", {"input": str(tmp_path), "chunk_size": 2})
-    run = functools.partial(_store_run, store)
-    run(["0", "1", "2"])
-    write_atomic = store_module.write_atomic
-
-    def killed_at_the_paths_file(path, write):
-        if path == store.paths_file:
-            raise KeyboardInterrupt
-        write_atomic(path, write)
-
-    monkeypatch.setattr(store_module, "write_atomic", killed_at_the_paths_file)
-    with pytest.raises(KeyboardInterrupt):
-        run(["0", "1", "2", "3", "4"])
-    assert np.load(tmp_path / "e.npy").ravel().tolist() == [0, 1, 2, 3, 4] and not store.paths_file.exists()
-    monkeypatch.setattr(store_module, "write_atomic", write_atomic)
-    run(["0", "1", "2", "3", "4"])
-    assert np.load(tmp_path / "e.npy").ravel().tolist() == [0, 1, 2, 3, 4]
-    assert json.loads(store.paths_file.read_text())["paths"] == ["0", "1", "2", "3", "4"]
-
-
 def test_the_same_input_spelled_otherwise_is_the_same(single, work, capsys):
     for spelling in ("imgs/", "./imgs", str(work / "imgs"), f"{work}/./imgs/"):
         assert _embed(spelling, "--model", "deit", "--output", "single.parquet", *RUN) == 0, capsys.readouterr().err
@@ -549,6 +506,45 @@ def test_a_rank_without_its_gpu_is_named(monkeypatch):
     assert embed_device("cpu", 1) == torch.device("cpu")
 
 
+@pytest.mark.parametrize("cuda_devices, device, has", [
+    (0, "cuda", "cpu (it has no CUDA device)"), (0, "cuda:0", "cpu (it has no CUDA device)"),
+    (0, "tpu", "cpu (it has no CUDA device)"), (2, "mps", "cpu, cuda, cuda:0, cuda:1"),
+    (2, "cuda:2", "cpu, cuda, cuda:0, cuda:1"),
+])
+def test_a_device_this_machine_lacks_is_a_usage_error_naming_those_it_has(cuda_devices, device, has, monkeypatch):
+    # torch's own errors came later: "Expected a torch.device with a specified index" for cuda on a machine
+    # without one, the list of every device type torch knows for tpu
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda_devices > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: cuda_devices)
+    with pytest.raises(UsageError, match=f"^--device {device}: expected a device of this machine: {re.escape(has)}$"):
+        embed_device(device, 0)
+    assert embed_device("cpu", 0) == torch.device("cpu")
+    if cuda_devices:
+        assert embed_device("cuda:1", 0) == torch.device("cuda", 1) and embed_device("cuda", 0).type == "cuda"
+
+
+def test_the_model_spelled_otherwise_is_the_same(single, work, monkeypatch, capsys):
+    for spelling in ("./deit/", str(work / "deit")):
+        assert _embed("imgs", "--model", spelling, "--output", "single.parquet", *RUN) == 0, capsys.readouterr().err
+        assert "already complete; nothing to do" in capsys.readouterr().err, spelling
+    # its rows' paths are relative to the folder it was started in: from another one they would name other files
+    monkeypatch.chdir(work / "imgs")
+    assert _embed(".", "--model", "../deit", "--output", "../single.parquet", *RUN) == 2
+    assert (f"../single.parquet names its inputs by paths relative to {work}, where it was started: run the command "
+            f"from there") in capsys.readouterr().err
+
+
+def test_an_output_path_that_cannot_be_a_file_exits_2(work, capsys):
+    for output in ("imgs/img000.jpg/e.parquet", "imgs/img000.jpg/deeper/e.npy"):
+        assert _embed("imgs", "--model", "deit", "--output", output) == 2
+        assert (f"vit-triton embed: error: --output {output}: imgs/img000.jpg is a file, not a directory"
+                in capsys.readouterr().err)
+    (work / "folder.parquet").mkdir()
+    assert _embed("imgs", "--model", "deit", "--output", "folder.parquet") == 2
+    assert ("--output folder.parquet is a directory: expected a file's path, ending in .parquet or .npy"
+            in capsys.readouterr().err)
+
+
 @pytest.mark.parametrize("args, match", [
     (["nowhere", "--output", "x.parquet"], "INPUT nowhere: no such file or directory"),
     (["imgs", "--output", "x.csv"], "--output must end in .parquet or .npy"),
@@ -602,6 +598,83 @@ def test_embed_images_gives_what_embed_writes(single):
     assert vit_triton.embed_images(model, []).shape == (0, model.config.embed_dim)
     with pytest.raises(UnreadableImage, match=r"^imgs/bad/empty.jpg: empty file"):
         vit_triton.embed_images(model, [paths[0], "imgs/bad/empty.jpg"])
+
+
+def _turned_jpeg(path: Path) -> Path:
+    """A JPEG whose EXIF orientation tag (6) says it is seen turned a quarter clockwise."""
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    load_image("imgs/img000.jpg").resize((40, 24)).save(path, exif=exif)
+    return path
+
+
+def test_pil_images_are_turned_upright_and_converted_as_files_are(tmp_path):
+    model = from_pretrained("deit", device=DEVICE, dtype=torch.float32)
+    pre = Preprocess.for_model(model)
+    path = _turned_jpeg(tmp_path / "turned.jpg")
+    upright = load_image(path)
+    assert upright.size == (24, 40)
+    with Image.open(path) as turned:
+        assert torch.equal(pre(turned), pre(upright))
+        for mode in ("RGBA", "L", "CMYK", "P"):   # as the path loader converts them
+            assert torch.equal(pre.resize_crop(upright.convert(mode)), pre.resize_crop(upright.convert(mode).convert(
+                "RGB"))), mode
+        assert torch.equal(embed_images(model, [turned, upright.convert("RGBA")]),
+                           embed_images(model, [path, upright.convert("RGBA").convert("RGB")]))
+        assert turned.size == (40, 24)   # the caller's image is left as it was
+
+
+def test_wrong_arguments_are_named(work):
+    from vit_triton.pipelines import classify
+
+    model = from_pretrained("deit", device=DEVICE, dtype=torch.float32)
+    pixels = torch.zeros(1, 3, 32, 32, device=DEVICE)
+    with pytest.raises(TypeError, match=r"^images must be a list of paths or PIL images, got str; for one image, "
+                                        r"pass \[image\]$"):
+        embed_images(model, "imgs/img000.jpg")
+    with pytest.raises(TypeError, match=r"^images must be a list of paths or PIL images, got Tensor; a tensor of "
+                                        r"pixels goes to the model itself \(model\(pixels\), "):
+        embed_images(model, pixels)
+    with pytest.raises(TypeError, match=r"^images\[1\] must be a path or a PIL image, got Tensor; a tensor of "):
+        embed_images(model, ["imgs/img000.jpg", pixels[0]])
+    with pytest.raises(TypeError, match=r"^images must be a list of paths, got str; for one image, pass \[image\]$"):
+        next(classify(model, "imgs/img000.jpg"))
+    with Image.open("imgs/img000.jpg") as photo, pytest.raises(
+            TypeError, match=r"^pixels must be a torch.Tensor \[B, C, H, W\], got JpegImageFile; for images, "
+                             r"vit_triton.Preprocess.for_model\(model\) makes the pixels$"):
+        model(photo)
+    with pytest.raises(TypeError, match=r"^Preprocess takes a PIL image, got Tensor \(uint8 pixels \[C, H, W\] go to "
+                                        r"normalize\)$"):
+        Preprocess.for_model(model)(pixels[0])
+
+
+@pytest.fixture(scope="module")
+def nan_model(work) -> str:
+    """The folder of a checkpoint whose every output is NaN (a NaN in its final norm's bias)."""
+    model = hf_model("DeiTForImageClassificationWithTeacher", num_labels=3)
+    with torch.no_grad():
+        model.deit.layernorm.bias[0] = float("nan")
+    save_hf(model, work / "nan")
+    return "nan"
+
+
+def test_nan_outputs_are_skipped_and_listed_or_raised(nan_model, tmp_path, capsys):
+    (tmp_path / "list.txt").write_text("imgs/img000.jpg\nimgs/bad/empty.jpg\nimgs/img001.png\n")
+    out = tmp_path / "e.npy"
+    assert _embed(str(tmp_path / "list.txt"), "--model", nan_model, "--output", str(out), *RUN) == 0
+    assert "done 0, skipped 3" in capsys.readouterr().out
+    assert np.load(out).shape == (0, 64)
+    nan = "NaN or infinite output (the checkpoint's weights or preprocessing make one, or a value overflows the dtype)"
+    assert (tmp_path / "e.skipped.tsv").read_text() == (
+        f"path\treason\nimgs/img000.jpg\t{nan}\nimgs/bad/empty.jpg\tempty file\nimgs/img001.png\t{nan}\n")
+    model = from_pretrained(nan_model, device=DEVICE, dtype=torch.float32)
+    with pytest.raises(ValueError, match=re.escape(f"images[0] (imgs/img001.png): {nan}")):
+        embed_images(model, ["imgs/img001.png"])
+
+
+def test_from_pretrained_is_float32_on_the_cpu_unless_a_dtype_is_given():
+    assert from_pretrained("deit", device="cpu").patch_embed.weight.dtype == torch.float32
+    assert from_pretrained("deit", device="cpu", dtype=torch.bfloat16).patch_embed.weight.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("counts", [(20000, 5000, 5000), (65536, 4096, 16384), (300, 17, 75), (4096, 8191, 1)])

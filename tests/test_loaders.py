@@ -1,6 +1,7 @@
 """from_hf and from_timm: parity with the reference models, both HF key spellings, and errors."""
 
 import copy
+import inspect
 import re
 from functools import partial
 
@@ -89,6 +90,16 @@ FAMILIES = {
         intermediate_size=96, use_gated_mlp=True, hidden_act="silu", num_register_tokens=2, mlp_bias=False)),
     "siglip-model": (transformers.SiglipModel, transformers.SiglipConfig, dict(text_config=dict(
         hidden_size=32, intermediate_size=40, num_hidden_layers=1, num_attention_heads=2))),
+    # vision towers of vision-language models, without a pooling head: what users take is last_hidden_state.
+    # PaliGemma's SigLIP; Idefics3's and SmolVLM's (each patch's position row picked by bucketing, no patch mask);
+    # InternVL's (LayerScale always, the patch mean without a final norm, or the class token after one)
+    "siglip-no-head": (transformers.SiglipVisionModel, transformers.SiglipVisionConfig, dict(
+        intermediate_size=96, vision_use_head=False)),
+    "idefics3": (transformers.Idefics3VisionTransformer, transformers.Idefics3VisionConfig, dict(intermediate_size=96)),
+    "smolvlm": (transformers.SmolVLMVisionTransformer, transformers.SmolVLMVisionConfig, dict(intermediate_size=96)),
+    "internvl": (transformers.InternVLVisionModel, transformers.InternVLVisionConfig, dict(intermediate_size=96)),
+    "internvl-biases-token": (transformers.InternVLVisionModel, transformers.InternVLVisionConfig, dict(
+        intermediate_size=96, attention_bias=True, use_mean_pooling=False)),
 }
 
 
@@ -132,6 +143,41 @@ def test_from_hf_aimv2_matches_transformers(variant, dtype, size):
         with pytest.raises(RuntimeError, match="must match the size"):
             family_outputs(model, torch.randn(1, 3, 24, 40))
     _check_parity(model, family_outputs, from_hf, dtype, size)
+
+
+def test_smolvlm_picks_position_rows_as_transformers_even_at_its_own_grid():
+    # At 19 patches a side, transformers' bucketing (float32 fractions against the cells' lower edges) does not give
+    # each patch its own row: even at its own grid the table is not used as it is
+    config = transformers.SmolVLMVisionConfig(**{**TINY_VISION, "image_size": 152})
+    model = transformers.SmolVLMVisionTransformer(config)
+    ours = from_hf(model)
+    with torch.no_grad():
+        model.embeddings.patch_embedding.weight.zero_(), model.embeddings.patch_embedding.bias.zero_()
+        for grid in ((19, 19), (7, 30)):
+            rows = model.embeddings(torch.zeros(1, 3, 8 * grid[0], 8 * grid[1]), torch.ones(1, *grid, dtype=torch.bool))
+            assert torch.equal(ours.pos_tables(ours.pos_embed, grid), rows[0]), grid
+        assert not torch.equal(ours.pos_tables(ours.pos_embed, (19, 19)), ours.pos_embed)
+
+
+def test_internvl_qk_norm_is_refused():
+    config = transformers.InternVLVisionConfig(**TINY_VISION, intermediate_size=96, use_qk_norm=True)
+    with pytest.raises(ValueError, match=r"unsupported InternVL vision feature: use_qk_norm \(an RMSNorm of q and of "
+                                         r"k over all heads, which no kernel applies"):
+        hf_config_to_vit(config.to_dict())
+
+
+def test_from_hf_takes_a_timm_wrapper():
+    # transformers' wrapper of a timm model: its timm model, converted as from_timm converts it
+    config = transformers.TimmWrapperConfig(architecture="vit_tiny_patch16_224", num_labels=50,
+                                            model_args=dict(TINY_TIMM, embed_dim=64, num_heads=2))
+    model = transformers.TimmWrapperForImageClassification(config)
+    assert from_hf(model).config == from_timm(model.timm_model).config
+
+    def run(m, pixels):
+        features = m.timm_model.forward_features(pixels)
+        return features, m(pixels).logits, m.timm_model.forward_head(features, pre_logits=True)
+
+    _check_parity(model, run, from_hf, torch.float32)
 
 
 def test_hf_families_return_what_their_users_want():
@@ -247,6 +293,7 @@ TIMM_VARIANTS = {
     "layer-scale-registers-no_embed_class": dict(init_values=0.5, reg_tokens=4, no_embed_class=True, num_classes=0),
     # 50 classes: over a handful of logits a bf16 relative error swings past the rule by chance
     "siglip-map-head": dict(class_token=False, global_pool="map", act_layer="gelu_tanh", num_classes=50),
+    "scale-norms": dict(scale_attn_norm=True, scale_mlp_norm=True, num_classes=50),
     "dinov2-giant-swiglu-packed": dict(mlp_layer=SwiGLUPacked, act_layer=torch.nn.SiLU, init_values=0.5,
                                        num_classes=0),
 }
@@ -294,6 +341,10 @@ TIMM_FAMILIES = {   # the VisionTransformers with one block: the interpreter is 
     "rope-mixed": ("vit_small_patch16_rope_mixed_224", dict(num_classes=0, init_values=0.5)),
     "dinov3": ("vit_small_patch16_dinov3", dict(num_classes=0)),
     "dinov3-plus-swiglu-token": ("vit_huge_plus_patch16_dinov3", dict(num_classes=0, global_pool="token")),
+    # Perception Encoder: pre-norm, rotary "axial" in (x, y) order offset by 1, the attention pool's own heads and
+    # MLP width; EVA02-CLIP: a LayerNorm of the attention's output before proj
+    "pe-core-map": ("vit_pe_core_tiny_patch16_384", dict(num_classes=0, attn_pool_num_heads=4, mlp_ratio=1.5)),
+    "eva02-clip-attn-norm": ("eva02_base_patch16_clip_224", dict(num_classes=40)),
 }
 
 
@@ -332,13 +383,34 @@ def test_eva_config():
 
 @pytest.mark.parametrize("kw, match", [
     (dict(), "qk_norm"),   # set on the module below: timm 1.0.29's Eva takes no qk_norm argument
-    (dict(scale_attn_inner=True), r"an attention scale norm \(scale_attn_inner\)"),
-    (dict(global_pool="map"), r"global_pool 'map' \(supported: token, avg\)"),
+    (dict(attn_type="rope", qkv_fused=False, num_kv_heads=1), r"grouped-query attention \(num_kv_heads: fewer key and "
+                                                              r"value heads than query heads"),
+    (dict(use_post_norm=True), r"block type EvaBlockPostNorm \(supported: EvaBlock; EvaBlockPostNorm's norms after "
+                               r"each branch are not ours\)"),
+    # the pool's MLP is GELU, the blocks' SwiGLU
+    (dict(global_pool="map"), r"an attention pool \(global_pool 'map'\) with an MLP activation other than the "
+                              r"blocks'"),
 ])
 def test_unsupported_eva_features(kw, match):
-    model = timm.create_model("eva02_tiny_patch14_224", pretrained=False, **TINY_EVA, **kw)
+    if "num_kv_heads" in kw and "num_kv_heads" not in inspect.signature(timm.models.eva.Eva).parameters:
+        pytest.skip("this timm's Eva has no grouped-query attention")
+    with torch.device("meta"):
+        model = timm.create_model("eva02_tiny_patch14_224", pretrained=False, **TINY_EVA, **kw)
     if not kw:
         model.blocks[0].attn.q_norm = torch.nn.LayerNorm(32)
+    with pytest.raises(ValueError, match=match):
+        from_timm(model)
+
+
+@pytest.mark.parametrize("name, match", [
+    ("samvit_base_patch16", r"got VisionTransformerSAM \(windowed attention with relative position bias, which the "
+                            r"kernels do not compute\)"),
+    ("beit_base_patch16_224", r"got Beit \(relative position bias in attention, which the kernels"),
+    ("vit_base_r50_s16_224", r"patch embedding HybridEmbed \(supported: PatchEmbed; a hybrid convolutional stem"),
+])
+def test_refused_timm_families_name_what_they_lack(name, match):
+    with torch.device("meta"):
+        model = timm.create_model(name, pretrained=False)
     with pytest.raises(ValueError, match=match):
         from_timm(model)
 
@@ -408,6 +480,11 @@ def test_unsupported_modules():
     with pytest.raises(ValueError, match="unsupported HuggingFace model_type 'swin'; supported: "
                                          "'aimv2_vision_model', 'clip_vision_model', 'deit', "):
         hf_config_to_vit({"model_type": "swin"})
+    with torch.device("meta"):
+        beit = transformers.BeitModel(transformers.BeitConfig(**TINY_HF, use_relative_position_bias=True))
+    with pytest.raises(ValueError, match=r"got BeitModel \(its relative position bias, which the attention kernel "
+                                         r"does not compute\)"):
+        from_hf(beit)
     with pytest.raises(ValueError, match="unsupported hidden_act 'relu'; supported: gelu, "):
         hf_config_to_vit({**transformers.ViTConfig(**TINY_HF).to_dict(), "hidden_act": "relu"})
 

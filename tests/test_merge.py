@@ -4,6 +4,7 @@ the table of their parts concatenated, with the run's metadata in the schema; ad
 error on the thread raised by finish(); a run stopped early leaves its chunks for the next one."""
 
 import json
+import os
 import threading
 import time
 
@@ -104,7 +105,7 @@ def test_chunks_are_merged_in_order_as_their_markers_appear(tmp_path):
     assert (summary.done, summary.skipped) == (len(good), len(inputs) - len(good))
     table = pq.read_table(store.output)
     assert table.equals(_expected(good, tokens=True))
-    meta = {"settings": store.settings, "done": len(good), "skipped": len(inputs) - len(good)}
+    meta = {"settings": store.settings, "cwd": os.getcwd(), "done": len(good), "skipped": len(inputs) - len(good)}
     assert pq.read_schema(store.output).metadata == {b"vit_triton": json.dumps(meta).encode()}
     assert store.final_metadata() == meta
     assert store.skipped_file.read_text().splitlines() == ["path\treason"] + [
@@ -143,7 +144,7 @@ def test_added_to_a_finished_output_its_row_groups_come_first(tmp_path):
     table = pq.read_table(store.output)
     assert table.equals(_expected(good)) and table.slice(0, 4).equals(old)
     assert (summary.done, summary.skipped) == (8, 2)
-    assert store.final_metadata() == {"settings": store.settings, "done": 8, "skipped": 2}
+    assert store.final_metadata() == {"settings": store.settings, "cwd": os.getcwd(), "done": 8, "skipped": 2}
     assert store.skipped_file.read_text() == "path\treason\n2x\tnot an image\n6x\tnot an image\n"
 
 

@@ -39,6 +39,12 @@ VARIANTS = {
                                                     mlp_bias=False, class_token=False, embed_norm=True,
                                                     pos_sincos=True, pool="map", pool_query_proj=False,
                                                     pool_mlp=False),
+    # EVA02-CLIP: a norm of the attention's output before proj
+    "eva02-clip-attn_norm": dict(attn_norm=True, act="swiglu", mlp_norm=True, rope="axial", num_classes=50),
+    # Perception Encoder: the attention pool's own heads and MLP width; OpenCLIP's timm towers: a biased projection
+    "pe-map-own-heads-projection-bias": dict(pool="map", pool_heads=4, pool_mlp_dim=80, pre_norm=True,
+                                             patch_bias=False, rope="axial", rope_xy=True, rope_offset=1.0,
+                                             proj_dim=40, embed_proj_bias=True),
 }
 
 
@@ -66,7 +72,8 @@ ANY_SIZE = [("cls-head", "bicubic"), ("avg-fc_norm-registers", "bicubic_float32_
             ("no-class-no_embed_class", "bicubic_float32"), ("deit-distilled", "bicubic_float32_antialias"),
             ("dinov3-rope-centered-half-registers-no-pos", "bicubic"), ("rope-mixed-xy-head", "bicubic"),
             ("eva02-swiglu-mlp_norm-rope-axial", "bicubic_float32_antialias"),
-            ("aimv2-embed_norm-sincos-map-no-q-no-mlp", "bicubic")]   # a sin-cos table is built, not resampled
+            ("aimv2-embed_norm-sincos-map-no-q-no-mlp", "bicubic"),   # a sin-cos table is built, not resampled
+            ("siglip-map-no-class", "bucket")]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -201,7 +208,7 @@ def test_pixels_on_another_device():
     (dict(act="relu"), "act must be one of"),
     (dict(pool="max"), "pool must be one of"),
     (dict(pos_resample="bilinear"), r"pos_resample must be one of \('bicubic_float32_antialias', 'bicubic_float32', "
-                                    r"'bicubic'\), got 'bilinear'"),
+                                    r"'bicubic', 'bucket'\), got 'bilinear'"),
     (dict(class_token=False), "needs class_token=True"),
     (dict(dist_token=True, class_token=False, pool="avg"), "dist_token follows the class token"),
     (dict(head_dist=True, num_classes=3), "head_dist needs dist_token=True"),
@@ -211,6 +218,12 @@ def test_pixels_on_another_device():
     (dict(pos_sincos=True, class_token=False, pool="avg", embed_dim=66, num_heads=3),
      "pos_sincos needs abs_pos_embed=True and embed_dim a multiple of 4, got abs_pos_embed True and embed_dim 66"),
     (dict(pool_mlp=False), "pool_mlp=False needs pool 'map', got pool 'token'"),
+    (dict(pool_heads=4), r"pool_heads and pool_mlp_dim shape the attention pool: they need pool 'map' \(pool_mlp_dim "
+                         r"also pool_mlp\), got pool 'token' and pool_mlp True"),
+    (dict(pool="map", pool_mlp=False, pool_mlp_dim=80), "got pool 'map' and pool_mlp False"),
+    (dict(pool="map", pool_heads=3), "pool_heads must divide embed_dim 64 into heads of 16 to 256, got 3"),
+    (dict(pool="map", pool_heads=8), "pool_heads must divide embed_dim 64 into heads of 16 to 256, got 8"),
+    (dict(embed_proj_bias=True), "embed_proj_bias is the bias of the embedding projection: it needs proj_dim > 0"),
 ])
 def test_bad_config(kw, match):
     with pytest.raises(ValueError, match=match):

@@ -10,7 +10,8 @@ import timm
 import torch
 from packaging.version import Version
 
-from tests.checkpoints import family_outputs, hf_model, save_hf, save_timm, timm_model
+from tests.checkpoints import OPEN_CLIP_TIMM, family_outputs, hf_model, open_clip_timm_tower, save_hf, \
+    save_timm, timm_model
 from tests.numerics import DEVICE, assert_close, randomize_
 from vit_triton import from_hf, from_pretrained, from_timm
 from vit_triton.loaders import CheckpointNotFound, read_checkpoint
@@ -52,7 +53,7 @@ def _cases(cases, families):
 
 def _hf_outputs(model, pixels):
     name = type(model).__name__
-    if name.startswith(("ViTMAE", "CLIP", "Dinov2", "DINOv3", "Siglip", "Aimv2")):
+    if name.startswith(("ViTMAE", "CLIP", "Dinov2", "DINOv3", "Siglip", "Aimv2", "Idefics3", "SmolVLM", "InternVL")):
         features, output, _ = family_outputs(model.vit if name == "ViTMAEForPreTraining" else model, pixels)
         return features, output
     inner = getattr(model, "vit", None) or getattr(model, "deit", None) or model
@@ -82,11 +83,17 @@ HF_CASES = {
     "ViTMAEModel": dict(mask_ratio=0.0),
     "Aimv2VisionModel": dict(qkv_bias=True),
     "Aimv2Model": dict(projection_dim=40),
+    "SiglipVisionModel-no-head": dict(vision_use_head=False),
+    "Idefics3VisionTransformer": dict(),
+    "SmolVLMVisionTransformer": dict(),
+    "InternVLVisionModel": dict(attention_bias=True),
+    "InternVLVisionModel-rmsnorm": dict(norm_type="rms_norm"),
 }
 
 
 @pytest.mark.parametrize("case, size, dtype, depth", _cases(HF_CASES, [
-    "Dinov2Model", "Dinov2WithRegistersModel", "CLIPModel", "SiglipModel", "DINOv3ViTModel", "ViTMAEForPreTraining"]))
+    "Dinov2Model", "Dinov2WithRegistersModel", "CLIPModel", "SiglipModel", "DINOv3ViTModel", "ViTMAEForPreTraining",
+    "SmolVLMVisionTransformer", "InternVLVisionModel"]))
 def test_transformers_checkpoint_matches_transformers(case, size, dtype, depth, tmp_path):
     name = case.split("-")[0]   # the class; after it, which variant
     ref = hf_model(name, depth=depth, **HF_CASES[case])
@@ -148,15 +155,22 @@ TIMM_CASES = {
     "dinov3": ("vit_small_patch16_dinov3", dict(embed_dim=64, num_heads=2, patch_size=8), True),
     # RmsNorm (its bias-free norms), SwiGLU (fc1_g, fc1_x) and the patch embedding's norm: read from the tensors
     "aimv2": ("aimv2_large_patch14_224", dict(embed_dim=64, num_heads=2, mlp_ratio=1.5), True),
+    # Perception Encoder's attention pool (its own heads and MLP width); EVA02-CLIP's norm of the attention's output
+    "pe-core": ("vit_pe_core_tiny_patch16_384", dict(embed_dim=64, num_heads=2, patch_size=8, attn_pool_num_heads=4,
+                                                     mlp_ratio=1.5, num_classes=0), True),
+    "eva02-clip": ("eva02_base_patch16_clip_224", dict(embed_dim=64, num_heads=2, patch_size=8, num_classes=50), True),
 }
 
 
 @pytest.mark.parametrize("case, size, dtype, depth", _cases(TIMM_CASES, [
-    "dinov2-registers", "clip-quickgelu", "deit3-layer-scale", "siglip-map", "eva02-tiny", "dinov3"]))
+    "dinov2-registers", "clip-quickgelu", "deit3-layer-scale", "siglip-map", "eva02-tiny", "dinov3", "pe-core",
+    "eva02-clip"]))
 def test_timm_checkpoint_matches_timm(case, size, dtype, depth, tmp_path):
     name, kw, model_args = TIMM_CASES[case]
     if case == "rope-mixed" and Version(timm.__version__) < Version("1.0.31"):
         pytest.skip("timm before 1.0.31 cannot run RoPE-mixed at its own grid in float64, the reference's dtype")
+    if not timm.is_model(name):
+        pytest.skip(f"this timm has no {name}")
     # timm runs another size with dynamic_img_size, which model_args then record
     ref = timm_model(name, depth=depth, **kw, **({"dynamic_img_size": True} if size else {}))
     weights = "model.safetensors" if model_args else "pytorch_model.bin"
@@ -211,6 +225,44 @@ def test_open_clip_checkpoint_matches_open_clip(case, size, dtype, depth, tmp_pa
     _check(ours, ref, lambda model, pixels: model.visual(pixels), dtype, size, ours_outputs)
 
 
+# transformers' TimmWrapperModel: a timm model inside, its keys under timm_model., config.json with the architecture
+TIMM_WRAPPERS = {
+    "TimmWrapperModel": "vit_base_patch16_224",   # no classifier: the pooled features (pooler_output)
+    "TimmWrapperForImageClassification": "eva02_tiny_patch14_224",   # an Eva, its rotary settings timm's
+}
+
+
+@pytest.mark.parametrize("cls_name", TIMM_WRAPPERS)
+def test_timm_wrapper_checkpoint_matches_transformers(cls_name, tmp_path):
+    import transformers
+
+    config = transformers.TimmWrapperConfig(architecture=TIMM_WRAPPERS[cls_name], num_labels=3,
+                                            model_args=dict(img_size=32, patch_size=8, embed_dim=64, num_heads=2,
+                                                            depth=2))
+    ref = randomize_(getattr(transformers, cls_name)(config)).eval()
+    ours = from_pretrained(save_hf(ref, tmp_path), device=DEVICE, dtype=torch.float32)
+    assert ours.config == from_hf(ref).config and ours.checkpoint.library == "timm"
+    classifier = cls_name == "TimmWrapperForImageClassification"
+    assert ours.checkpoint.id2label == ({i: f"LABEL_{i}" for i in range(3)} if classifier else {})
+
+    def outputs(model, pixels):   # the timm model's features, and the wrapper's logits or pooled features
+        out = model(pixels)
+        return model.timm_model.forward_features(pixels), out.logits if classifier else out.pooler_output
+
+    _check(ours, ref, outputs)
+
+
+@pytest.mark.parametrize("case", OPEN_CLIP_TIMM)
+def test_open_clip_timm_tower_matches_open_clip(case, tmp_path, monkeypatch):
+    ref = open_clip_timm_tower(tmp_path, case, monkeypatch)
+    ours = from_pretrained(tmp_path, device=DEVICE, dtype=torch.float32)
+    assert ours.checkpoint.library == "open_clip" and ours.checkpoint.architecture == OPEN_CLIP_TIMM[case][0]
+    assert ours.config.proj_dim == (0 if case.startswith("siglip") else 40)
+    assert ours.config.embed_proj_bias == (ours.config.proj_dim > 0)
+    _check(ours, ref, lambda model, pixels: (model.encode_image(pixels),),
+           ours_outputs=lambda model, pixels: (model.embedding(model.forward_features(pixels)),))
+
+
 def test_from_timm_takes_a_distilled_deit():
     ref = timm_model("deit_tiny_distilled_patch16_224", embed_dim=64, num_heads=2, num_classes=3)
     _check(from_timm(copy.deepcopy(ref).to(DEVICE)), ref, _features_and_output)
@@ -225,7 +277,8 @@ def test_timm_label_names_and_descriptions(tmp_path):
 
 def test_dtype_and_device(tmp_path):
     model = from_pretrained(save_hf(hf_model("ViTModel"), tmp_path), device=DEVICE)
-    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    # bfloat16 on a GPU, float32 on the CPU (where the interpreter runs it)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16 if DEVICE.type == "cuda" else torch.float32}
     assert {p.device.type for p in model.parameters()} == {DEVICE.type}
     assert not model.training
 
@@ -335,6 +388,11 @@ def test_classifier_without_its_head_is_reported_missing(tmp_path):
                                                            r"supported: transformers ViTModel, .*ViTMAEModel.*timm"),
     (dict(architectures=["ViTForMaskedImageModeling"]), "unsupported architecture ViTForMaskedImageModeling"),
     (dict(architecture="convnext_tiny"), r"unsupported architecture convnext_tiny \(timm\); supported:"),
+    (dict(architecture="samvit_base_patch16"), r"unsupported architecture samvit_base_patch16 \(timm\) \(windowed "
+                                               r"attention with relative position bias, which the kernels do not "
+                                               r"compute\); supported:"),
+    (dict(architectures=["BeitModel"], model_type="beit"), r"BeitModel \(transformers, model_type 'beit'\) \(its "
+                                                          r"relative position bias, which the attention kernel"),
 ])
 def test_unsupported_architectures_name_the_supported_ones(edit, match, tmp_path):
     directory = save_hf(hf_model("ViTModel"), tmp_path)

@@ -10,7 +10,7 @@ import timm
 import torch
 import transformers
 
-from tests.checkpoints import hf_model, save_hf, save_timm, timm_model
+from tests.checkpoints import hf_model, open_clip_timm_tower, save_hf, save_timm, timm_model
 from tests.numerics import DEVICE, assert_close, randomize_
 from vit_triton import ViT, ViTConfig, from_pretrained
 from vit_triton.loaders import CheckpointInfo, read_checkpoint, save_pretrained
@@ -32,6 +32,14 @@ def _hf_load(directory):
 
 def _timm_load(directory):
     return timm.create_model(f"local-dir:{directory}", pretrained=True).eval()
+
+
+def _zero_key_bias(model):
+    """The key third of every qkv.bias zero, as a layout without a key bias (timm's Eva) needs it with rotary
+    embeddings."""
+    with torch.no_grad():
+        for block in model.blocks:
+            block.qkv.bias[model.config.embed_dim:2 * model.config.embed_dim] = 0
 
 
 def _finetuned(source, classes=None):
@@ -93,9 +101,7 @@ def test_written_model_loads_in_its_library_and_back(case, tmp_path):
         with pytest.raises(ValueError, match=r"timm eva02_tiny_patch14_224, which has no place for blocks.0.k.bias, "
                                              r"blocks.1.k.bias \(the key third of qkv.bias, which must stay zero"):
             save_pretrained(model, tmp_path / "out")
-        with torch.no_grad():
-            for block in model.blocks:
-                block.qkv.bias[64:128] = 0
+        _zero_key_bias(model)
     assert save_pretrained(model, tmp_path / "out") == tmp_path / "out"
     pixels = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
@@ -158,6 +164,11 @@ HF_FAMILIES = {
     "CLIPVisionModel": dict(),
     "SiglipModel": dict(),
     "Aimv2Model-native": dict(projection_dim=40, is_native=True),
+    "SiglipVisionModel-no-head": dict(vision_use_head=False),
+    "Idefics3VisionTransformer": dict(),
+    "SmolVLMVisionTransformer": dict(),
+    "InternVLVisionModel-biases-token": dict(attention_bias=True, use_mean_pooling=False),
+    "InternVLVisionModel-rmsnorm": dict(norm_type="rms_norm"),
 }
 
 
@@ -184,11 +195,16 @@ TIMM_FAMILIES = {
     "vit_small_patch16_rope_mixed_224": dict(embed_dim=64, num_heads=2, num_classes=0, init_values=0.5),
     "vit_small_patch16_dinov3": dict(embed_dim=64, num_heads=2, patch_size=8),
     "aimv2_large_patch14_224": dict(embed_dim=64, num_heads=2, mlp_ratio=1.5),
+    "eva02_base_patch16_clip_224": dict(embed_dim=64, num_heads=2, patch_size=8, num_classes=40),   # attn.norm
+    "vit_pe_core_tiny_patch16_384": dict(embed_dim=64, num_heads=2, patch_size=8, attn_pool_num_heads=4,
+                                         mlp_ratio=1.5),   # the attention pool's own heads and MLP width
 }
 
 
 @pytest.mark.parametrize("name", TIMM_FAMILIES)
 def test_unchanged_timm_checkpoint_is_written_back_as_it_was(name, tmp_path):
+    if not timm.is_model(name):
+        pytest.skip(f"this timm has no {name}")
     ref = timm_model(name, **TIMM_FAMILIES[name])
     model = from_pretrained(save_timm(ref, tmp_path / "source"), device="cpu", dtype=torch.float32)
     save_pretrained(model, tmp_path / "out")
@@ -196,6 +212,38 @@ def test_unchanged_timm_checkpoint_is_written_back_as_it_was(name, tmp_path):
     assert type(theirs) is type(ref) and theirs.state_dict().keys() == ref.state_dict().keys()
     assert all(v.equal(theirs.state_dict()[k]) for k, v in ref.state_dict().items())
     _assert_reads_back(model, tmp_path / "out")
+
+
+def test_timm_wrapper_is_written_as_timms_layout_which_transformers_reads(tmp_path):
+    config = transformers.TimmWrapperConfig(architecture="vit_tiny_patch16_224", num_labels=3, model_args=dict(
+        img_size=32, patch_size=8, embed_dim=64, num_heads=2, depth=1))
+    ref = randomize_(transformers.TimmWrapperForImageClassification(config)).eval()
+    model = _finetuned(save_hf(ref, tmp_path / "source"), LABELS)
+    save_pretrained(model, tmp_path / "out")
+    theirs = transformers.TimmWrapperForImageClassification.from_pretrained(tmp_path / "out").eval()
+    assert theirs.config.id2label == dict(enumerate(LABELS))
+    pixels = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert_close(model(pixels.to(DEVICE)), theirs.double()(pixels.double()).logits.to(DEVICE), torch.float32)
+    assert _timm_load(tmp_path / "out").num_classes == 3
+    _assert_reads_back(model, tmp_path / "out")
+
+
+def test_open_clip_timm_tower_is_written_as_its_timm_model(tmp_path, monkeypatch):
+    # EVA02-CLIP in OpenCLIP: its projection, the timm trunk's head with a bias, stays timm's head
+    ref = open_clip_timm_tower(tmp_path / "source", "eva02-clip-head", monkeypatch)
+    model = _finetuned(tmp_path / "source")
+    _zero_key_bias(model)
+    save_pretrained(model, tmp_path / "out")
+    theirs = _timm_load(tmp_path / "out")
+    pixels = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert_close(model(pixels.to(DEVICE)), theirs.double()(pixels.double()).to(DEVICE), torch.float32)
+    back = from_pretrained(tmp_path / "out", device=DEVICE, dtype=torch.float32)
+    assert back.checkpoint.library == "timm" and back.checkpoint.architecture == "eva02_base_patch16_clip_224"
+    assert back.config == dataclasses.replace(model.config, proj_dim=0, embed_proj_bias=False, num_classes=40)
+    assert back.head.weight.equal(model.proj.weight) and back.head.bias.equal(model.proj.bias)
+    assert type(ref.visual.trunk) is type(theirs)
 
 
 def test_a_dinov2_classifier_of_the_patch_mean_is_refused(tmp_path):

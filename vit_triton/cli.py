@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
 import sys
 import textwrap
 
+from . import __version__
 from .utils import MissingExtra, batch_sizes, image_size, natural_int, positive_int
 
 # --dtype names -> torch dtype names, as strings so that parsing the command line does not import torch
@@ -16,7 +18,8 @@ EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 _EXIT_CODES = """exit status:
   0    success (embed: every input embedded, or listed with its reason in the .skipped.tsv file)
   1    failure: a checkpoint that cannot be used, an I/O error, ... (message on stderr);
-       classify: an image could not be read (the other images are still printed)
+       classify: an image could not be read, or its output was NaN or infinite (the other images are
+       still printed)
   2    usage error: a bad option, INPUT or --model not found, an output written with other settings
        or being written by another run
   130  interrupted; embed continues where it stopped when the same command is run again"""
@@ -24,11 +27,16 @@ _MODEL_HELP = ("checkpoint: a HuggingFace hub id (google/vit-base-patch16-224, f
                "patch16-224, timm/vit_base_patch16_224.augreg2_in21k_ft_in1k), fetched into the HuggingFace cache "
                "(HF_HUB_OFFLINE=1 reads only the cache); or a local directory in the same layout (config.json + "
                "model.safetensors or pytorch_model.bin, sharded or not); or a local weights file with config.json "
-               "beside it. Supported: transformers ViT and DeiT models, timm VisionTransformer (incl. distilled DeiT)")
+               "beside it. Supported families: ViT, DeiT, DINOv2, DINOv3, EVA02, RoPE ViT, CLIP (OpenCLIP's "
+               "towers too), SigLIP, ViT-MAE, AIMv2, from transformers or timm (README's \"Supported models\" table "
+               "names the classes)")
+_DEVICE_HELP = ("cpu, cuda or cuda:N (default: cuda, or cuda:LOCAL_RANK under torchrun; without a CUDA device, cpu "
+                "through Triton's interpreter)")
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vit-triton", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     verify = sub.add_parser(
         "verify",
@@ -120,8 +128,11 @@ def _add_classify_and_embed(sub) -> None:
 
 outputs (OUT = emb.parquet or emb.npy):
   emb.parquet          columns path, embedding (fixed-size list) [, tokens]; or
-  emb.npy              embeddings [N, D] (+ emb.tokens.npy [N, T, D]) and emb.paths.json (their paths, in order)
-  emb.skipped.tsv      path and reason of each input not embedded (empty, truncated, corrupt, not an image)
+  emb.npy              embeddings [N, D] (+ emb.tokens.npy [N, T, D]) and emb.paths.json, a JSON object:
+                       "paths" (the rows' paths, in order) and the run's "settings", "cwd", "done", "skipped"
+  emb.skipped.tsv      path and reason of each input not embedded (empty, truncated, corrupt, not an image,
+                       NaN or infinite output)
+  emb.inputs.tsv       path, size and mtime_ns of each input: a later run embeds again a file replaced in place
   emb.parquet.partial/ while running: the finished chunks and the manifest a resumed run continues from
   emb.parquet.lock     while running: the lock that refuses a second run into the same output
 
@@ -133,8 +144,10 @@ several GPUs: torchrun --nproc-per-node N -m vit_triton embed INPUT --model M --
             "while the GPU runs, write finished chunks atomically, merge them into OUT as they come. Files that "
             "cannot be read are skipped and listed with the reason; the run never stops for one. Killed (even "
             "with kill -9), the same command continues where it stopped, without duplicates or gaps; run again "
-            "after it finished, it embeds only the files new in INPUT and adds their rows. Images are turned "
-            "upright by their EXIF orientation.", 100),
+            "after it finished, it embeds only the files new in INPUT, and those replaced in place (another size "
+            "or modification time), whose old rows it replaces, and adds their rows at the end. Relative paths "
+            "are recorded as INPUT lists them: run it again from the same directory. OUT's own files in INPUT "
+            "are no inputs. Images are turned upright by their EXIF orientation.", 100),
     )
     embed.add_argument("input", metavar="INPUT",
                        help="a directory (recursive; hidden files left out), a text file of paths (one per line, "
@@ -275,9 +288,7 @@ several GPUs: torchrun --nproc-per-node N -m vit_triton finetune TRAIN --model M
     finetune.add_argument("--image-size", type=image_size, default=None, metavar="N|HxW",
                           help="train and validate on images of this size, N x N or H x W pixels, instead of the "
                                "checkpoint's (the saved model keeps its own; pass --image-size to classify and embed)")
-    finetune.add_argument("--device", default=None,
-                          help="torch device (default: cuda, or cuda:LOCAL_RANK under torchrun; without a CUDA device, "
-                               "cpu through Triton's interpreter)")
+    finetune.add_argument("--device", default=None, help=_DEVICE_HELP)
     finetune.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                           help="progress bars with the loss, learning rate and images/s on stderr (default: when "
                                "stderr is a terminal)")
@@ -291,9 +302,7 @@ def _add_runtime_options(p: argparse.ArgumentParser, batch_help: str) -> None:
     p.add_argument("--batch-size", type=positive_int, default=None, help=batch_help)
     p.add_argument("--dtype", choices=list(DTYPES), default=None,
                    help="compute dtype of the model (default bf16 on a GPU, fp32 in the CPU interpreter)")
-    p.add_argument("--device", default=None,
-                   help="torch device (default: cuda, or cuda:LOCAL_RANK under torchrun; without a CUDA device, "
-                        "cpu through Triton's interpreter)")
+    p.add_argument("--device", default=None, help=_DEVICE_HELP)
 
 
 def torch_dtype(name: str):
@@ -466,8 +475,9 @@ def _classify(args: argparse.Namespace) -> int:
 
     from .loaders import from_pretrained
     from .pipelines import UsageError, check_image_size, classify
+    from .pipelines.embed import resolve_device
 
-    model = from_pretrained(args.model, device=args.device or ("cuda" if on_gpu else "cpu"),
+    model = from_pretrained(args.model, device=resolve_device(args.device, 0),
                             dtype=torch_dtype(args.dtype or ("bf16" if on_gpu else "fp32")))
     if model.head is None:
         raise UsageError(f"--model {args.model} has no classification head ({model.checkpoint.architecture}): "
@@ -478,7 +488,7 @@ def _classify(args: argparse.Namespace) -> int:
                            image_size=args.image_size):
         if "error" in result:
             failed += 1
-            print(f"vit-triton classify: cannot read {result['path']}: {result['error']}", file=sys.stderr)
+            print(f"vit-triton classify: {result['path']}: {result['error']}", file=sys.stderr)
         if args.json:
             results.append(result)
         elif "predictions" in result:
@@ -536,6 +546,14 @@ def _finetune(args: argparse.Namespace) -> int:
               f"images of {summary.classes} classes; {validated}; skipped {summary.skipped} (listed in "
               f"{summary.output}/*.skipped.tsv); this run {summary.seconds:.1f} s -> {summary.output}", flush=True)
     return EXIT_OK
+
+
+def _version() -> str:
+    """The installed package's version; from a source tree that is not installed, the one it declares."""
+    try:
+        return importlib.metadata.version("vit-triton")
+    except importlib.metadata.PackageNotFoundError:
+        return f"{__version__} (not installed)"
 
 
 def _run_reporting_errors(command, args: argparse.Namespace) -> int:

@@ -93,6 +93,8 @@ def forward_costs(cfg: ViTConfig, batch: int, elem: int) -> list[KernelCost]:
                     act=cfg.act, count=depth),
         linear_cost("linear fc2 +res", m, d, f, elem, bias=cfg.mlp_bias, residual=True, count=depth),
     ]
+    if cfg.attn_norm:
+        costs.append(ln("layer_norm attn", m, depth))
     if cfg.mlp_norm:
         costs.append(ln("layer_norm mlp", m, depth, width=f))
     if cfg.final_norm and not cfg.fc_norm:

@@ -44,14 +44,15 @@ def hf_model(cfg: ViTConfig) -> torch.nn.Module | None:
                  hidden_size=cfg.embed_dim, num_hidden_layers=cfg.depth, num_attention_heads=cfg.num_heads,
                  layer_norm_eps=cfg.norm_eps, hidden_act=act, attn_implementation="sdpa")
     if (cfg.rope.startswith("centered") and cfg.rope_half and not cfg.abs_pos_embed and cfg.class_token
-            and not cfg.dist_token and cfg.final_norm and not cfg.fc_norm and not cfg.mlp_norm
+            and not cfg.dist_token and cfg.final_norm and not cfg.fc_norm and not cfg.mlp_norm and not cfg.attn_norm
             and cfg.norm == "layernorm" and not cfg.num_classes and not cfg.proj_dim):
         # DINOv3 (pooler_output: the class token); the key projection has no bias
         return transformers.DINOv3ViTModel(transformers.DINOv3ViTConfig(
             **shape, intermediate_size=cfg.mlp_dim, num_register_tokens=cfg.reg_tokens,
             use_gated_mlp=cfg.act == "swiglu", query_bias=cfg.qkv_bias, value_bias=cfg.qkv_bias,
             proj_bias=cfg.proj_bias, mlp_bias=cfg.mlp_bias, rope_theta=cfg.rope_theta))
-    if cfg.rope != "none" or cfg.act == "swiglu" or not cfg.abs_pos_embed or cfg.mlp_norm or cfg.norm != "layernorm":
+    if (cfg.rope != "none" or cfg.act == "swiglu" or not cfg.abs_pos_embed or cfg.mlp_norm or cfg.attn_norm
+            or cfg.norm != "layernorm" or cfg.pool_heads or cfg.pool_mlp_dim or cfg.pos_resample == "bucket"):
         return None
     if (not cfg.class_token and not cfg.reg_tokens and cfg.pool == "map" and cfg.patch_bias and not cfg.pre_norm
             and cfg.final_norm and not cfg.fc_norm and cfg.qkv_bias and not cfg.num_classes and not cfg.proj_dim):

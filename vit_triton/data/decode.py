@@ -58,6 +58,14 @@ def load_image(path: str | os.PathLike, mode: str = "RGB") -> Image.Image:
     return decode_image(read_file(path), mode)
 
 
+def upright(image: Image.Image, mode: str = "RGB") -> Image.Image:
+    """A PIL image as decode_image makes a file's: turned upright by its EXIF orientation tag, if any, in PIL `mode`
+    (Pillow's convert: RGBA, CMYK, grayscale or palette images become RGB). `image` itself where nothing changes."""
+    if image.getexif().get(_EXIF_ORIENTATION, 1) != 1:
+        image = ImageOps.exif_transpose(image)
+    return image if image.mode == mode else image.convert(mode)
+
+
 _EXIF_ORIENTATION = 0x0112
 WIDE_QUEUES = 32   # CUDA_DEVICE_MAX_CONNECTIONS for GPU decoding: CUDA's most (widen_hardware_queues)
 

@@ -220,7 +220,7 @@ def image_item(data: bytes, preprocess: Preprocess,
     if gpu_decode and (block := nvjpeg_block(data)) is not None:
         return Jpeg(data, block), None
     try:
-        image = decode_image(data, "L" if preprocess.channels == 1 else "RGB")
+        image = decode_image(data, preprocess.mode)
     except UnreadableImage as e:
         return None, str(e)
     return preprocess.resize_crop(image), None

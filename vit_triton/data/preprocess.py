@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+from .decode import upright
+
 IMAGENET_DEFAULT_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_DEFAULT_STD = (0.229, 0.224, 0.225)
 IMAGENET_STANDARD_MEAN = (0.5, 0.5, 0.5)
@@ -128,6 +130,11 @@ class Preprocess:
     @property
     def channels(self) -> int:
         return len(self.mean) if self.mean is not None else 3
+
+    @property
+    def mode(self) -> str:
+        """The PIL mode images are decoded to: "L" for a one-channel model, else "RGB"."""
+        return "L" if self.channels == 1 else "RGB"
 
     # -- construction from a checkpoint's configuration --
 
@@ -268,7 +275,12 @@ class Preprocess:
         return Geometry(height, width, top, left)
 
     def resize_crop(self, image: Image.Image) -> torch.Tensor:
-        """Resize and center-crop a decoded image: uint8 [C, H, W], contiguous."""
+        """Resize and center-crop a PIL image, first turned upright and converted to `mode` as a decoded file is
+        (decode.upright): uint8 [C, H, W], contiguous. TypeError for anything but a PIL image."""
+        if not isinstance(image, Image.Image):
+            raise TypeError(f"Preprocess takes a PIL image, got {type(image).__name__} (uint8 pixels [C, H, W] go to "
+                            f"normalize)")
+        image = upright(image, self.mode)
         g = self.geometry(image.height, image.width)
         if self.convention == "timm":
             if (g.height, g.width) != (image.height, image.width):
@@ -329,7 +341,7 @@ class Preprocess:
         return x.sub_(mean).div_(std)
 
     def __call__(self, image: Image.Image) -> torch.Tensor:
-        """float32 pixels [C, H, W] of a decoded image."""
+        """float32 pixels [C, H, W] of a PIL image (resize_crop, then normalize)."""
         return self.normalize(self.resize_crop(image))
 
 

@@ -49,6 +49,18 @@ def absolute(spec: str) -> str:
     return spec if is_url(spec) else os.path.abspath(spec)
 
 
+def file_stat(path: str) -> tuple[int, int] | None:
+    """(size in bytes, modification time in ns) of a local file, which tell a file replaced in place; None for a
+    URL, or a path that cannot be looked up."""
+    if is_url(path):
+        return None
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None
+    return stat.st_size, stat.st_mtime_ns
+
+
 def expand_braces(spec: str) -> list[str]:
     """The names of a brace pattern as webdataset writes it: {00000..00099} (integers, zero-padded to the width
     of an end with a leading zero) or {a,b,c}; several braces give every combination. A brace holding neither

@@ -1,6 +1,10 @@
 """HuggingFace transformers vision encoders -> vit-triton: ViT, DeiT, DINOv2 (with registers), DINOv3, CLIP's
 vision tower (with its projection), SigLIP's (with its attention-pool head), ViT-MAE's encoder, AIMv2's vision
-tower (with its attention-pool head and, in an Aimv2Model, its projection).
+tower (with its attention-pool head and, in an Aimv2Model, its projection); the vision towers of vision-language
+models, which have no pooling head: SigLIP's without it (vision_use_head=False: PaliGemma), Idefics3's and SmolVLM's
+(at any size without their patch masks, each patch's position row picked as theirs are: pos_resample "bucket") and
+InternVL's (LayerScale, LayerNorm or RMSNorm; not its QK-norm); and transformers' TimmWrapperModel, a timm model
+inside, converted as from_timm converts it.
 
 Keys come in the hub's spellings (transformers 4: encoder.layer.N.attention.attention.query,
 intermediate.dense, output.dense, ...; CLIP's encoder.layers.N.self_attn.q_proj, layer_norm1, ...) and in
@@ -9,7 +13,8 @@ QKV weight (a bias left out, as DINOv3's key bias, is zero); DINOv2's and DINOv3
 and ls2; a gated MLP (DINOv3's gate_proj and up_proj, DINOv2 ViT-g's packed weights_in) becomes one fc1
 with gate and value rows interleaved; SigLIP's head (probe, attention.in_proj,
 out_proj, layernorm, mlp) becomes attn_pool (latent, q and kv, proj, norm, mlp); AIMv2's (cls_token, k_proj and
-v_proj, output_proj) attn_pool's latent, kv and proj, and its embeddings' rms_norm embed_norm. Not part of our forward:
+v_proj, output_proj) attn_pool's latent, kv and proj, and its embeddings' rms_norm embed_norm; InternVL's
+projection_layer proj and lambda_1, lambda_2 ls1, ls2. Not part of our forward:
 ViTModel's pooler (dense + tanh over the class token), mask tokens, the text tower of a CLIPModel or SiglipModel
 checkpoint and ViT-MAE's decoder. DeiT is ViT with a distillation token after the class token, and with a
 teacher, a second classifier on it (cls_classifier -> head, distillation_classifier -> head_dist). DINOv2's
@@ -26,6 +31,7 @@ import torch
 
 from ..model import ViT, ViTConfig
 from .common import Mapped, Unmapped, build, expand, mlp_ratio, square
+from .timm import from_timm
 
 _ACTIVATIONS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
                 "quick_gelu": "quick_gelu"}
@@ -42,13 +48,24 @@ ARCHITECTURES = {
     "SiglipVisionModel": "siglip_vision_model", "SiglipModel": "siglip",
     "ViTMAEModel": "vit_mae", "ViTMAEForPreTraining": "vit_mae",
     "Aimv2VisionModel": "aimv2_vision_model", "Aimv2Model": "aimv2",
+    "Idefics3VisionTransformer": "idefics3_vision", "SmolVLMVisionTransformer": "smolvlm_vision",
+    "InternVLVisionModel": "internvl_vision",
 }
+# transformers' wrappers of a timm model (model.timm_model), converted as from_timm converts it.
+TIMM_WRAPPERS = ("TimmWrapperModel", "TimmWrapperForImageClassification")
+# Encoders refused for what the attention kernel does not compute, by model_type.
+_REFUSED = {"beit": "relative position bias", "data2vec-vision": "relative position bias",
+            "sam": "windowed attention with relative position bias",
+            "sam_vision_model": "windowed attention with relative position bias"}
 # Models of two towers, whose config.json describes the vision encoder in its vision_config.
 _TWO_TOWERS = ("clip", "siglip", "aimv2")
 HF_ARCHITECTURES = tuple(ARCHITECTURES)
 # How each resamples its position embedding for another input size (interpolate_pos_encoding); the rest: bicubic
 # in the table's dtype.
-_POS_RESAMPLES = {"dinov2": "bicubic_float32", "dinov2_with_registers": "bicubic_float32_antialias"}
+_POS_RESAMPLES = {"dinov2": "bicubic_float32", "dinov2_with_registers": "bicubic_float32_antialias",
+                  "idefics3_vision": "bucket", "smolvlm_vision": "bucket"}
+# SigLIP's vision tower and those made from it, without a class token (their default activation gelu_pytorch_tanh)
+_SIGLIP_LIKE = ("siglip_vision_model", "idefics3_vision", "smolvlm_vision")
 # What each returns as the image embedding (ViT.embedding): CLIP's projected class token where it has one.
 _PROJECTED = ("CLIPVisionModelWithProjection", "CLIPModel", "Aimv2Model")
 # Classifiers of [class token, mean of the patch tokens] (2 D columns).
@@ -70,8 +87,8 @@ _RULES = [(_PREFIX + pattern, repl) for pattern, repl in [
     (_LAYER + _ATTENTION + r"(?:query|q_proj)\.(weight|bias)", r"blocks.\1.q.\2"),
     (_LAYER + _ATTENTION + r"(?:key|k_proj)\.(weight|bias)", r"blocks.\1.k.\2"),
     (_LAYER + _ATTENTION + r"(?:value|v_proj)\.(weight|bias)", r"blocks.\1.v.\2"),
-    (_LAYER + r"(?:attention\.output\.dense|attention\.o_proj|attention\.out_proj|self_attn\.out_proj)\.(weight|bias)",
-     r"blocks.\1.proj.\2"),
+    (_LAYER + r"(?:attention\.output\.dense|attention\.o_proj|attention\.out_proj|self_attn\.out_proj"
+     r"|attention\.projection_layer)\.(weight|bias)", r"blocks.\1.proj.\2"),
     (_LAYER + r"(?:layernorm_before|norm1|layer_norm1|rms_norm1)\.(weight|bias)", r"blocks.\1.norm1.\2"),
     (_LAYER + r"(?:layernorm_after|norm2|layer_norm2|rms_norm2)\.(weight|bias)", r"blocks.\1.norm2.\2"),
     (_LAYER + r"(?:intermediate\.dense|mlp\.fc1|mlp\.weights_in)\.(weight|bias)", r"blocks.\1.fc1.\2"),
@@ -80,6 +97,7 @@ _RULES = [(_PREFIX + pattern, repl) for pattern, repl in [
     (_LAYER + r"(?:mlp|ffn)\.gate_proj\.(weight|bias)", r"blocks.\1.gate.\2"),
     (_LAYER + r"(?:mlp|ffn)\.up_proj\.(weight|bias)", r"blocks.\1.up.\2"),
     (_LAYER + r"layer_scale([12])\.lambda1", r"blocks.\1.ls\2"),
+    (_LAYER + r"lambda_([12])", r"blocks.\1.ls\2"),
     (r"(?:layernorm|post_layernorm|norm|rms_norm)\.(weight|bias)", r"norm.\1"),
     (r"head\.(?:probe|cls_token)", "attn_pool.latent"),
     (r"head\.([kv])_proj\.(weight|bias)", r"attn_pool.\1.\2"),
@@ -95,6 +113,13 @@ _RULES = [(_PREFIX + pattern, repl) for pattern, repl in [
 _UNUSED = [(_PREFIX + r"(?:pooler\.dense\.(?:weight|bias)|embeddings\.mask_token"
             r"|embeddings\.position_ids)", ""),
            (r"(?:(?:text_model\.|decoder\.).*|text_projection\.weight|logit_scale|logit_bias)", "")]
+
+
+def refusal(model_type: str | None) -> str:
+    """Why a transformers model_type is refused, if the reason is known: " (its ..., which the attention kernel does
+    not compute)", else ""."""
+    reason = _REFUSED.get(model_type)
+    return f" (its {reason}, which the attention kernel does not compute)" if reason else ""
 
 
 def vision_config(config: dict) -> dict:
@@ -117,24 +142,25 @@ def hf_config_to_vit(config: dict, num_classes: int = 0, head_dist: bool = False
     model_type = config.get("model_type")
     families = sorted(set(ARCHITECTURES.values()) - set(_TWO_TOWERS))
     if model_type not in families:
-        raise ValueError(f"unsupported HuggingFace model_type {model_type!r}; supported: "
+        raise ValueError(f"unsupported HuggingFace model_type {model_type!r}{refusal(model_type)}; supported: "
                          f"{', '.join(map(repr, families))}")
     if model_type == "dinov3_vit":
         return _dinov3_config(config)
     if model_type == "aimv2_vision_model":
         return _aimv2_config(config, projection)
+    if model_type == "internvl_vision":
+        return _internvl_config(config, num_classes)
     clip, dinov2, siglip = (model_type == "clip_vision_model", model_type.startswith("dinov2"),
-                            model_type == "siglip_vision_model")
-    act = config.get("hidden_act", "quick_gelu" if clip else "gelu")
+                            model_type in _SIGLIP_LIKE)
+    act = config.get("hidden_act", "quick_gelu" if clip else "gelu_pytorch_tanh" if siglip else "gelu")
     if act not in _ACTIVATIONS:
         raise ValueError(f"unsupported hidden_act {act!r}; supported: {', '.join(_ACTIVATIONS)}")
     swiglu = dinov2 and config.get("use_swiglu_ffn", False)   # DINOv2 ViT-g/14: its width rounded as Dinov2SwiGLUFFN's
     mlp_dim = int(config["hidden_size"] * config.get("mlp_ratio", 4)) if dinov2 else config["intermediate_size"]
     if swiglu:
         mlp_dim = (int(mlp_dim * 2 / 3) + 7) // 8 * 8
-    if siglip and config.get("vision_use_head") is False:
-        raise ValueError("unsupported vision_use_head=False (SigLIP without its attention-pool head: no pooled "
-                         "output)")
+    # SigLIP's attention-pool head; without it (PaliGemma's tower, Idefics3's, SmolVLM's) the mean of the tokens
+    head = model_type == "siglip_vision_model" and config.get("vision_use_head", True)
     d = config["hidden_size"]
     return ViTConfig(
         image_size=square(config["image_size"], "image_size"),
@@ -147,7 +173,7 @@ def hf_config_to_vit(config: dict, num_classes: int = 0, head_dist: bool = False
         reg_tokens=config.get("num_register_tokens", 0),
         pos_embed_prefix=not config.get("num_register_tokens"),   # see hf_state_dict_to_vit
         patch_bias=not clip, pre_norm=clip, fc_norm=clip,   # CLIP normalizes only the pooled class token
-        pool="map" if siglip else "token",
+        pool="map" if head else "avg" if siglip else "token",
         num_classes=num_classes, dist_token=model_type == "deit", head_dist=head_dist,
         proj_dim=config["projection_dim"] if projection else 0,
         pos_resample=_POS_RESAMPLES.get(model_type, "bicubic"), layer_scale=dinov2,
@@ -200,6 +226,38 @@ def _aimv2_config(config: dict, projection: bool) -> ViTConfig:
         embed_norm=True, pos_sincos=config.get("is_native", False), pos_resample="bicubic_float32_antialias",
         proj_dim=config["projection_dim"] if projection else 0,
         **(dict(pool="map", pool_query_proj=False, pool_mlp=False) if use_head else dict(pool="avg")),
+    )
+
+
+def _internvl_config(config: dict, num_classes: int) -> ViTConfig:
+    """InternVLVisionModel: a class token, q, k and v with or without biases (attention_bias), projection_layer
+    with one, LayerScale (lambda_1, lambda_2) in every block, LayerNorm or RMSNorm (norm_type) in the blocks, and a
+    final LayerNorm unless use_mean_pooling, which pools the mean of the patch tokens (we do: transformers returns
+    no pooler_output). Its QK-norm (use_qk_norm: an RMSNorm of q and of k over all heads, InternViT-6B's) is not
+    ours."""
+    act, rms = config.get("hidden_act", "gelu"), config.get("norm_type", "layer_norm") == "rms_norm"
+    mean = config.get("use_mean_pooling", True)
+    unsupported = {
+        "use_qk_norm (an RMSNorm of q and of k over all heads, which no kernel applies between the QKV product "
+        "and the attention)": config.get("use_qk_norm", False),
+        f"norm_type {config.get('norm_type')!r} (supported: layer_norm, rms_norm)":
+            config.get("norm_type", "layer_norm") not in ("layer_norm", "rms_norm"),
+        "norm_type rms_norm with use_mean_pooling=False (RMSNorm in the blocks, LayerNorm after them)":
+            rms and not mean,
+        f"hidden_act {act!r} (supported: {', '.join(_ACTIVATIONS)})": act not in _ACTIVATIONS,
+    }
+    found = [what for what, present in unsupported.items() if present]
+    if found:
+        raise ValueError(f"unsupported InternVL vision feature: {'; '.join(found)}")
+    return ViTConfig(
+        image_size=square(config.get("image_size", 448), "image_size"),
+        patch_size=square(config.get("patch_size", 14), "patch_size"), in_chans=config.get("num_channels", 3),
+        embed_dim=config["hidden_size"], depth=config["num_hidden_layers"], num_heads=config["num_attention_heads"],
+        mlp_dim=config["intermediate_size"], qkv_bias=config.get("attention_bias", False),
+        norm_eps=config.get("layer_norm_eps", 1e-6), act=_ACTIVATIONS[act], final_norm=not mean,
+        pool="avg" if mean else "token", num_classes=num_classes,
+        abs_pos_embed=config.get("use_absolute_position_embeddings", True), pos_resample="bicubic",
+        norm="rmsnorm" if rms else "layernorm", layer_scale=True,
     )
 
 
@@ -274,10 +332,13 @@ def hf_architecture_to_vit(architecture: str, config: dict, state_dict: dict[str
 
 def from_hf(module: torch.nn.Module) -> ViT:
     """vit-triton model with the weights, device and dtype of a transformers model (one of HF_ARCHITECTURES;
-    a CLIPModel or Aimv2Model gives its vision tower and projection)."""
+    a CLIPModel or Aimv2Model gives its vision tower and projection; a TimmWrapperModel its timm model's)."""
     name = type(module).__name__
+    if name in TIMM_WRAPPERS:
+        return from_timm(module.timm_model)
     if name not in ARCHITECTURES:
-        raise ValueError(f"from_hf takes a transformers {', '.join(HF_ARCHITECTURES)}, got {name}")
+        raise ValueError(f"from_hf takes a transformers {', '.join(HF_ARCHITECTURES + TIMM_WRAPPERS)}, got "
+                         f"{name}{refusal(getattr(getattr(module, 'config', None), 'model_type', None))}")
     state_dict = module.state_dict()
     cfg, ours = hf_architecture_to_vit(name, module.config.to_dict(), state_dict, hf_num_classes(state_dict))
     return build(cfg, ours, next(module.parameters()))
@@ -294,6 +355,8 @@ _WRITTEN_AS = {
     "dinov2_with_registers": ("Dinov2WithRegistersModel", "Dinov2WithRegistersForImageClassification"),
     "dinov3_vit": ("DINOv3ViTModel", None), "clip_vision_model": ("CLIPVisionModel", None),
     "siglip_vision_model": ("SiglipVisionModel", None), "aimv2_vision_model": ("Aimv2VisionModel", None),
+    "idefics3_vision": ("Idefics3VisionTransformer", None), "smolvlm_vision": ("SmolVLMVisionTransformer", None),
+    "internvl_vision": ("InternVLVisionModel", None),
 }
 # The keys of each family's encoder as transformers' save_pretrained writes them (the hub's spelling): {i} is each
 # block, (a|b) either, {mlp} DINOv2's MLP (fc1 and fc2, or SwiGLU's weights_in and weights_out). vit_to_hf_state_dict
@@ -308,6 +371,8 @@ _DINOV2_LAYOUT = ["embeddings.(cls_token|register_tokens|position_embeddings)",
                   "encoder.layer.{i}.(attention.(attention.(query|key|value)|output.dense)|norm(1|2)|{mlp})"
                   ".(weight|bias)",
                   "encoder.layer.{i}.layer_scale(1|2).lambda1", "layernorm.(weight|bias)"]
+_SIGLIP_LAYOUT = ["embeddings.(patch_embedding.(weight|bias)|position_embedding.weight)", _CLIP_BLOCKS,
+                  "post_layernorm.(weight|bias)"]
 _LAYOUTS = {
     "vit": _VIT_LAYOUT, "vit_mae": _VIT_LAYOUT, "deit": _VIT_LAYOUT,
     "dinov2": _DINOV2_LAYOUT, "dinov2_with_registers": _DINOV2_LAYOUT,
@@ -317,10 +382,12 @@ _LAYOUTS = {
                    "layer.{i}.layer_scale(1|2).lambda1", "norm.(weight|bias)"],
     "clip_vision_model": ["embeddings.(class_embedding|patch_embedding.weight|position_embedding.weight)",
                           "(pre_layrnorm|post_layernorm).(weight|bias)", _CLIP_BLOCKS],
-    "siglip_vision_model": ["embeddings.(patch_embedding.(weight|bias)|position_embedding.weight)", _CLIP_BLOCKS,
-                            "post_layernorm.(weight|bias)",
-                            "head.(probe|attention.in_proj_(weight|bias)|(attention.out_proj|layernorm|mlp.fc(1|2))"
-                            ".(weight|bias))"],
+    "siglip_vision_model": _SIGLIP_LAYOUT + ["head.(probe|attention.in_proj_(weight|bias)|(attention.out_proj"
+                                             "|layernorm|mlp.fc(1|2)).(weight|bias))"],
+    "idefics3_vision": _SIGLIP_LAYOUT, "smolvlm_vision": _SIGLIP_LAYOUT,
+    "internvl_vision": ["embeddings.(cls_token|position_embeddings|patch_embeddings.projection.(weight|bias))",
+                        "encoder.layer.{i}.(attention.((q|k|v)_proj|projection_layer)|layernorm_(before|after)"
+                        "|mlp.fc(1|2)).(weight|bias)", "encoder.layer.{i}.lambda_(1|2)", "layernorm.(weight|bias)"],
     "aimv2_vision_model": ["embeddings.(patch_embed.(weight|bias)|position_embedding.weight|rms_norm.weight)",
                            "encoder.layers.{i}.(attention.(q|k|v|out)_proj|rms_norm(1|2)|ffn.(gate|up|down)_proj)"
                            ".(weight|bias)", "rms_norm.weight",
@@ -333,7 +400,7 @@ _PREFIXES = {"ViTForImageClassification": "vit.", "DeiTForImageClassification": 
              "CLIPVisionModelWithProjection": "vision_model."}
 _HIDDEN_ACTS = {ours: theirs for theirs, ours in reversed(_ACTIVATIONS.items())}   # the first spelling of each
 # Families whose tables are nn.Embedding weights [T, D] (and CLIP's class token one vector [D]), not [1, T, D].
-_UNBATCHED = ("clip_vision_model", "siglip_vision_model", "aimv2_vision_model")
+_UNBATCHED = ("clip_vision_model", "aimv2_vision_model", *_SIGLIP_LIKE)
 
 
 def written_architecture(source: str, cfg: ViTConfig) -> str:
@@ -378,8 +445,14 @@ def vit_to_hf_config(cfg: ViTConfig, architecture: str, id2label: dict[int, str]
         del config["layer_norm_eps"]
         config.update(rms_norm_eps=cfg.norm_eps, mlp_bias=cfg.mlp_bias, use_head=cfg.pool == "map",
                       is_native=cfg.pos_sincos)
-    elif model_type in ("clip_vision_model", "siglip_vision_model"):
+    elif model_type == "internvl_vision":
         del config["qkv_bias"]
+        config.update(attention_bias=cfg.qkv_bias, norm_type="rms_norm" if cfg.norm == "rmsnorm" else "layer_norm",
+                      use_mean_pooling=cfg.pool == "avg", use_absolute_position_embeddings=cfg.abs_pos_embed)
+    elif model_type in ("clip_vision_model", *_SIGLIP_LIKE):
+        del config["qkv_bias"]
+        if model_type == "siglip_vision_model":
+            config["vision_use_head"] = cfg.pool == "map"
     if cfg.proj_dim:
         config["projection_dim"] = cfg.proj_dim
     if id2label:

@@ -5,8 +5,10 @@ needed nor imported, and no reference model is built. A transformers checkpoint 
 "model_type") maps through loaders/hf.py; a timm one (config.json with an "architecture") through
 loaders/timm.py, its ViTConfig read from the tensors' shapes, as timm's config.json records only the
 arguments that differ from the architecture's defaults; an OpenCLIP one (open_clip_config.json) through
-loaders/open_clip.py. The exception: a timm Eva (EVA02, the RoPE ViTs, DINOv3), whose rotary settings neither its
-tensors nor its config.json show, is read from the architecture timm builds on the meta device (timm needed).
+loaders/open_clip.py. The exceptions, read from the architecture timm builds on the meta device (timm needed): a
+timm Eva (EVA02, the RoPE ViTs, DINOv3, Perception Encoder), whose rotary settings neither its tensors nor its
+config.json show, and an OpenCLIP tower whose trunk is a timm model (EVA02-CLIP, PE-Core, SigLIP). transformers'
+TimmWrapperModel saves a timm checkpoint (config.json with an "architecture") with its keys under timm_model.
 """
 
 from __future__ import annotations
@@ -20,15 +22,17 @@ import torch
 from ..model import ViT, ViTConfig
 from .common import TRAINING_FIELDS, build
 from .files import OPEN_CLIP_CONFIG, CheckpointNotFound, find_checkpoint, read_json, read_weights
-from .open_clip import open_clip_config_to_vit, open_clip_state_dict_to_vit
-from .hf import ARCHITECTURES, HF_ARCHITECTURES, hf_architecture_to_vit, hf_num_classes
-from .timm import timm_config_to_vit, timm_state_dict_to_vit
+from .hf import ARCHITECTURES, HF_ARCHITECTURES, TIMM_WRAPPERS, hf_architecture_to_vit, hf_num_classes, refusal
+from .open_clip import OPEN_CLIP_TOWER, open_clip_config_to_vit, open_clip_state_dict_to_vit, open_clip_timm_tower, \
+    timm_trunk
+from .timm import timm_config_to_vit, timm_meta_model, timm_refusal, timm_state_dict_to_vit
 
 __all__ = ["CheckpointInfo", "CheckpointNotFound", "SUPPORTED", "from_pretrained", "read_checkpoint"]
 
 TIMM_ARCHITECTURES = ("timm VisionTransformer and VisionTransformerDistilled (vit_*, deit_*, deit3_*, aimv2_*), Eva "
-                      "(eva02_*, vit_*_rope_*, vit_*_dinov3)")
-SUPPORTED = f"transformers {', '.join(HF_ARCHITECTURES)}; {TIMM_ARCHITECTURES}; OpenCLIP ViT towers"
+                      "(eva02_*, vit_*_rope_*, vit_*_dinov3, vit_pe_core_*)")
+SUPPORTED = (f"transformers {', '.join(HF_ARCHITECTURES + TIMM_WRAPPERS)}; {TIMM_ARCHITECTURES}; OpenCLIP ViT "
+             f"towers (their own, or a timm trunk of those)")
 
 
 @dataclass(frozen=True)
@@ -54,10 +58,14 @@ def read_checkpoint(name_or_path: str | os.PathLike) -> tuple[ViTConfig, dict[st
     config = read_json(files.config)
     state_dict = read_weights(files.weights)
     if files.config.name == OPEN_CLIP_CONFIG:
-        cfg = open_clip_config_to_vit(config)
-        return cfg, open_clip_state_dict_to_vit(state_dict, cfg), CheckpointInfo(
-            files.source, "open_clip", "VisionTransformer", {},
-            config.get("preprocess_cfg") or {})
+        trunk = timm_trunk(config)
+        if trunk:
+            cfg, ours = open_clip_timm_tower(config, state_dict)
+        else:
+            cfg = open_clip_config_to_vit(config)
+            ours = open_clip_state_dict_to_vit(state_dict, cfg)
+        return cfg, ours, CheckpointInfo(files.source, "open_clip", trunk or OPEN_CLIP_TOWER, {},
+                                         config.get("preprocess_cfg") or {})
     if "architecture" in config:
         return timm_checkpoint(files.source, config, state_dict)
     preprocessing = read_json(files.preprocessor) if files.preprocessor else {}
@@ -65,7 +73,7 @@ def read_checkpoint(name_or_path: str | os.PathLike) -> tuple[ViTConfig, dict[st
 
 
 def from_pretrained(name_or_path: str | os.PathLike, *, device: torch.device | str | None = None,
-                    dtype: torch.dtype = torch.bfloat16, **training: float) -> ViT:
+                    dtype: torch.dtype | None = None, **training: float) -> ViT:
     """A ViT holding a checkpoint's weights, in eval mode, with `model.checkpoint` (CheckpointInfo:
     labels and preprocessing; vit_triton.data.Preprocess.for_model(model) applies the latter).
 
@@ -75,7 +83,7 @@ def from_pretrained(name_or_path: str | os.PathLike, *, device: torch.device | s
     pytorch_model.bin, sharded with an index or not, preprocessor_config.json for transformers; or
     OpenCLIP's open_clip_config.json with open_clip_model.safetensors or open_clip_pytorch_model.bin); or a
     local weights file with its config beside it. device: default CUDA if there is one, else CPU
-    (which needs TRITON_INTERPRET=1 to run). training: the regularization model.train() applies, timm's names
+    (which needs TRITON_INTERPRET=1 to run). dtype: default bfloat16 on a GPU, float32 on the CPU. training: the regularization model.train() applies, timm's names
     (ViTConfig's drop_path_rate, drop_rate, pos_drop_rate), which no checkpoint records.
     """
     unknown = sorted(set(training) - set(TRAINING_FIELDS))
@@ -86,6 +94,8 @@ def from_pretrained(name_or_path: str | os.PathLike, *, device: torch.device | s
     cfg = replace(cfg, **training)
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype is None:
+        dtype = torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
     model = build(cfg, state_dict, torch.empty(0, device=device, dtype=dtype))
     model.checkpoint = info
     return model
@@ -93,6 +103,15 @@ def from_pretrained(name_or_path: str | os.PathLike, *, device: torch.device | s
 
 def _unsupported(what: str) -> ValueError:
     return ValueError(f"unsupported architecture {what}; supported: {SUPPORTED}")
+
+
+def _timm_refusal(architecture: str) -> str:
+    """Why timm's `architecture` is refused, where timm is installed and knows the reason (timm_refusal)."""
+    try:
+        import timm
+    except ImportError:
+        return ""
+    return timm_refusal(timm.models.model_entrypoint(architecture).__module__) if timm.is_model(architecture) else ""
 
 
 def hf_checkpoint(source: str, config: dict, state_dict: dict,
@@ -103,7 +122,7 @@ def hf_checkpoint(source: str, config: dict, state_dict: dict,
     bare = next((a for a, t in ARCHITECTURES.items() if t == model_type), f"model_type {model_type!r}")
     architecture = (config.get("architectures") or [bare])[0]
     if ARCHITECTURES.get(architecture) != model_type:
-        raise _unsupported(f"{architecture} (transformers, model_type {model_type!r})")
+        raise _unsupported(f"{architecture} (transformers, model_type {model_type!r}){refusal(model_type)}")
     id2label = {int(k): v for k, v in (config.get("id2label") or {}).items()}
     # An encoder's classifier is one that save_pretrained wrote beside it (its family's own pools otherwise).
     num_classes = hf_num_classes(state_dict)
@@ -123,32 +142,30 @@ def hf_checkpoint(source: str, config: dict, state_dict: dict,
 _TIMM_HEADS = {1152: 16, 1280: 16, 1408: 16, 1664: 16}
 _TIMM_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_tanh", "quick_gelu": "quick_gelu"}
 _TIMM_UNSUPPORTED = {
-    r"blocks\.\d+\.attn\.[qk]_norm\..*": "qk_norm",
-    r"blocks\.\d+\.(attn|mlp)\.norm\..*": "attention or MLP scale norms",
+    r"blocks\.\d+\.attn\.[qk]_norm\..*": "qk_norm (a norm of each head's q and k)",
     r"attn_pool\.(?:q_norm\..*|k_norm\..*|pos_embed)": "an attention pool with qk_norm or pos_embed",
-    r"patch_embed\.backbone\..*": "a hybrid CNN stem",
+    r"patch_embed\.backbone\..*": "a hybrid convolutional stem (a CNN before the patch projection)",
 }
 
 
-def _timm_eva(architecture: str, config: dict) -> ViTConfig | None:
-    """The config of a timm Eva architecture, built by timm on the meta device with the checkpoint's model_args;
-    None for an architecture that is not an Eva."""
+def _timm_eva(architecture: str, config: dict, num_classes: int) -> ViTConfig | None:
+    """The config of a timm Eva architecture, built by timm on the meta device with the checkpoint's model_args and
+    the weights' num_classes; None for an architecture that is not an Eva."""
     try:
         import timm
     except ImportError:
-        if re.match(r"eva|vit_.*_(rope|dinov3)", architecture):
+        if re.match(r"eva|vit_.*_(rope|dinov3)|vit_pe_", architecture):
             raise ImportError(f"{architecture} is a timm Eva, whose rotary settings come from timm's registry: "
                               f"pip install timm") from None
         return None
     if not timm.is_model(architecture) or timm.models.model_entrypoint(architecture).__module__ != "timm.models.eva":
         return None
-    args = dict(config.get("model_args") or {})
+    args = {**(config.get("model_args") or {}), "num_classes": num_classes}
     size = (config.get("pretrained_cfg") or {}).get("input_size")
     if size and "img_size" not in args:
         args["img_size"] = tuple(size[-2:])
     try:
-        with torch.device("meta"):
-            module = timm.create_model(architecture, pretrained=False, **args)
+        module = timm_meta_model(architecture, **args)
     except TypeError:   # an argument this timm does not know
         return None
     return timm_config_to_vit(module)
@@ -156,22 +173,26 @@ def _timm_eva(architecture: str, config: dict) -> ViTConfig | None:
 
 def timm_checkpoint(source: str, config: dict,
                     state_dict: dict) -> tuple[ViTConfig, dict[str, torch.Tensor], CheckpointInfo]:
-    """(config, state dict in our names, info) of a timm checkpoint: its config.json and weights."""
+    """(config, state dict in our names, info) of a timm checkpoint: its config.json and weights (TimmWrapperModel's
+    too)."""
     architecture = config["architecture"]
-    cfg = _timm_eva(architecture, config)
+    if config.get("model_type") == "timm_wrapper":
+        state_dict = {k.removeprefix("timm_model."): v for k, v in state_dict.items()}
+    num_classes = state_dict["head.weight"].shape[0] if "head.weight" in state_dict else 0
+    cfg = _timm_eva(architecture, config, num_classes)
     if cfg is None and (not re.match(r"(vit|deit3?|aimv2)_", architecture)
                         or "patch_embed.proj.weight" not in state_dict):
-        raise _unsupported(f"{architecture} (timm)")
+        raise _unsupported(f"{architecture} (timm){_timm_refusal(architecture)}")
     found = {what for pattern, what in _TIMM_UNSUPPORTED.items() for k in state_dict if re.fullmatch(pattern, k)}
     if cfg is None and found:
         raise ValueError(f"unsupported timm VisionTransformer feature in {architecture}: {'; '.join(sorted(found))}")
-    cfg = cfg or _timm_config(architecture, config, state_dict)
+    cfg = cfg or _timm_config(architecture, config, state_dict, num_classes)
     ours = timm_state_dict_to_vit(state_dict, cfg)
     return cfg, ours, CheckpointInfo(source, "timm", architecture, _timm_labels(source, config, cfg.num_classes),
                                      config.get("pretrained_cfg") or {})
 
 
-def _timm_config(architecture: str, config: dict, sd: dict) -> ViTConfig:
+def _timm_config(architecture: str, config: dict, sd: dict, num_classes: int) -> ViTConfig:
     """ViTConfig of a timm ViT checkpoint from its tensors' shapes, model_args and the architecture name: bias-free
     norms are RmsNorm (AIMv2's; timm's VisionTransformers with LayerNorm all have its bias)."""
     args = config.get("model_args") or {}
@@ -203,7 +224,6 @@ def _timm_config(architecture: str, config: dict, sd: dict) -> ViTConfig:
                                               else "token" if class_token else "avg"))
     if pool not in ("token", "avg", "map"):
         raise ValueError(f"unsupported timm global_pool {pool!r} in {architecture}; supported: token, avg, map")
-    num_classes = sd["head.weight"].shape[0] if "head.weight" in sd else 0
     return ViTConfig(
         image_size=size, patch_size=patch, in_chans=in_chans, embed_dim=embed_dim, depth=depth,
         num_heads=args.get("num_heads") or _TIMM_HEADS.get(embed_dim, max(embed_dim // 64, 1)),
@@ -221,6 +241,7 @@ def _timm_config(architecture: str, config: dict, sd: dict) -> ViTConfig:
         proj_bias="blocks.0.attn.proj.bias" in sd, mlp_bias="blocks.0.mlp.fc2.bias" in sd,
         embed_norm="patch_embed.norm.weight" in sd,
         layer_scale=any(re.fullmatch(r"blocks\.\d+\.ls[12]\.gamma", k) for k in sd),
+        attn_norm="blocks.0.attn.norm.weight" in sd, mlp_norm="blocks.0.mlp.norm.weight" in sd,
     )
 
 

@@ -98,11 +98,15 @@ def _timm_layout(cfg: ViTConfig, state_dict: dict, info: CheckpointInfo, source:
     """_transformers' counterpart for timm's layout (an OpenCLIP tower's too)."""
     architecture, pretrained_cfg = info.architecture, dict(info.preprocessing)
     if info.library == "open_clip":
-        architecture, cfg, state_dict, pretrained_cfg = open_clip_to_timm(state_dict, cfg, info.preprocessing)
+        architecture, cfg, state_dict, pretrained_cfg = open_clip_to_timm(state_dict, cfg, info.preprocessing,
+                                                                          architecture)
     model_args, tensors = vit_to_timm(state_dict, cfg, architecture)
     for key in ("label_names", "label_descriptions", "label_offset"):   # the labels are config.json's own
         pretrained_cfg.pop(key, None)
     pretrained_cfg.update(num_classes=cfg.num_classes, input_size=[cfg.in_chans, cfg.image_size, cfg.image_size])
+    # num_classes is config.json's own, not a model_arg: transformers' TimmWrapperModel, which reads timm's layout,
+    # passes its own beside model_args
+    model_args.pop("num_classes")
     config = dict(architecture=architecture, num_classes=cfg.num_classes, num_features=cfg.embed_dim,
                   global_pool=cfg.pool, model_args=model_args, pretrained_cfg=pretrained_cfg)
     if info.id2label:

@@ -35,11 +35,34 @@ _RULES = [
     (r"blocks\.(\d+)\.mlp\.fc1_g\.(weight|bias)", r"blocks.\1.gate.\2"),
     (r"blocks\.(\d+)\.mlp\.fc1_x\.(weight|bias)", r"blocks.\1.value.\2"),
     (r"blocks\.(\d+)\.mlp\.norm\.(weight|bias)", r"blocks.\1.mlp_norm.\2"),
+    (r"blocks\.(\d+)\.attn\.norm\.(weight|bias)", r"blocks.\1.attn_norm.\2"),
     (r"rope\.freqs", "rope_freqs"),
     (r"(blocks\.\d+\.norm[12]|norm_pre|norm|fc_norm|head|head_dist)\.(weight|bias)", r"\1.\2"),
     (r"attn_pool\.(latent|(?:q|kv|proj|norm|mlp\.fc1|mlp\.fc2)\.(?:weight|bias))", r"attn_pool.\1"),
 ]
 _POOLS = ("token", "avg", "map")
+# timm's families refused for what the kernels do not compute, by the module that defines them.
+_REFUSED = {"timm.models.beit": "relative position bias in attention",
+            "timm.models.vision_transformer_relpos": "relative position bias in attention",
+            "timm.models.vision_transformer_sam": "windowed attention with relative position bias",
+            "timm.models.vision_transformer_hybrid": "a hybrid convolutional stem (a CNN before the patch projection)"}
+
+
+def timm_refusal(module_name: str) -> str:
+    """Why the timm models defined in module `module_name` are refused, if the reason is known: " (..., which the
+    kernels do not compute)", else ""."""
+    reason = _REFUSED.get(module_name)
+    return f" ({reason}, which the kernels do not compute)" if reason else ""
+
+
+def timm_meta_model(architecture: str, **args) -> nn.Module:
+    """timm's `architecture` made by create_model with `args` on the meta device (no memory, no init)."""
+    try:
+        import timm
+    except ImportError:
+        raise ImportError(f"{architecture} is a timm architecture, which timm builds: pip install timm") from None
+    with torch.device("meta"):
+        return timm.create_model(architecture, pretrained=False, **args)
 
 
 def _activation(act: nn.Module) -> str:
@@ -51,16 +74,35 @@ def _activation(act: nn.Module) -> str:
     raise ValueError(f"unsupported timm activation {name}; supported: GELU, GELUTanh, QuickGELU")
 
 
-def _unusual_pool(pool: nn.Module | None) -> bool:
-    """An AttentionPoolLatent that our AttentionPool does not compute: it takes one learned query through a q
-    projection, no qk_norm, no position embedding, and the output of that query."""
+def _attn_pool(module: nn.Module, act: str | None, qkv_bias: bool) -> tuple[dict, list[str]]:
+    """The config's pool fields of a timm model's attention pool (AttentionPoolLatent, global_pool 'map': pool_heads
+    and pool_mlp_dim where they are not the blocks', pool_query_proj), and what in it our AttentionPool does not
+    compute: one learned query through a q projection or none, no qk_norm, no position embedding, the output of
+    that query, an Mlp of the blocks' activation (act; None: unknown) after the blocks' LayerNorm, and biases where
+    the blocks' qkv has them."""
+    pool = getattr(module, "attn_pool", None)
     if pool is None:
-        return False
-    q = getattr(pool, "q", None)
-    return (not isinstance(q, nn.Linear) or tuple(pool.latent.shape) != (1, 1, q.in_features)
-            or any(not isinstance(getattr(pool, n, nn.Identity()), nn.Identity) for n in ("q_norm", "k_norm"))
-            or getattr(pool, "pos_embed", None) is not None or type(pool.mlp).__name__ != "Mlp"
-            or getattr(pool, "pool", "token") != "token")
+        return {}, []
+    block, mlp = module.blocks[0], getattr(pool, "mlp", None)
+    blocks_mlp = block.mlp.fc2.in_features
+    unusual = {
+        "more than one latent query, or a latent_dim": tuple(pool.latent.shape) != (1, 1, module.embed_dim),
+        "qk_norm": any(not isinstance(getattr(pool, n, nn.Identity()), nn.Identity) for n in ("q_norm", "k_norm")),
+        "a position embedding": getattr(pool, "pos_embed", None) is not None,
+        f"pool_type {getattr(pool, 'pool', 'token')!r}": getattr(pool, "pool", "token") != "token",
+        "no output projection (out_features 0)": not isinstance(pool.proj, nn.Linear),
+        f"MLP type {type(mlp).__name__} (supported: Mlp)": type(mlp).__name__ != "Mlp",
+        "an MLP activation other than the blocks'": act is not None and type(mlp).__name__ == "Mlp"
+        and _activation(mlp.act) != act,
+        "a norm other than the blocks' LayerNorm": _norm_kind(pool.norm) != "layernorm"
+        or _norm_kind(block.norm1) != "layernorm" or pool.norm.eps != block.norm1.eps,
+        "q and kv biases unlike the blocks' qkv bias": (pool.kv.bias is not None) != qkv_bias,
+    }
+    found = [f"an attention pool (global_pool 'map') with {what}" for what, present in unusual.items() if present]
+    pool_mlp = mlp.fc1.out_features if type(mlp).__name__ == "Mlp" else blocks_mlp
+    return dict(pool_query_proj=isinstance(pool.q, nn.Linear),
+                pool_heads=0 if pool.num_heads == block.attn.num_heads else pool.num_heads,
+                pool_mlp_dim=0 if pool_mlp == blocks_mlp else pool_mlp), found
 
 
 def _is_swiglu_packed(mlp: nn.Module) -> bool:
@@ -85,35 +127,49 @@ def _is_norm(m: nn.Module) -> bool:
     return _norm_kind(m) is not None
 
 
+def _scale_norms(block: nn.Module) -> list[nn.Module]:
+    """A block's norm of the attention's output before its projection (timm's scale_attn_norm, Eva's
+    scale_attn_inner) and of the MLP's hidden layer (scale_mlp_norm, scale_mlp), Identity where it has none."""
+    return [getattr(block.attn, "norm", nn.Identity()), getattr(block.mlp, "norm", nn.Identity())]
+
+
+def _scale_norm_fields(block: nn.Module) -> dict:
+    """The config's attn_norm and mlp_norm of a block (_scale_norms)."""
+    attn_norm, mlp_norm = (not isinstance(n, nn.Identity) for n in _scale_norms(block))
+    return dict(attn_norm=attn_norm, mlp_norm=mlp_norm)
+
+
 def timm_config_to_vit(module: nn.Module) -> ViTConfig:
     """ViTConfig of a timm VisionTransformer or Eva; ValueError naming any feature we do not support."""
     if type(module).__name__ == "Eva":
         return _eva_config(module)
     if type(module).__name__ not in ("VisionTransformer", "VisionTransformerDistilled"):
         raise ValueError(f"from_timm takes a timm VisionTransformer, VisionTransformerDistilled or Eva, "
-                         f"got {type(module).__name__}")
+                         f"got {type(module).__name__}{timm_refusal(type(module).__module__)}")
     distilled = type(module).__name__ == "VisionTransformerDistilled"
     block = module.blocks[0]
     pe = module.patch_embed
     embed_norm = getattr(pe, "norm", nn.Identity())
-    norms = [n for n in (block.norm1, block.norm2, module.norm_pre, module.norm, module.fc_norm, embed_norm)
-             if not isinstance(n, nn.Identity)]
+    norms = [n for n in (block.norm1, block.norm2, module.norm_pre, module.norm, module.fc_norm, embed_norm,
+                         *_scale_norms(block)) if not isinstance(n, nn.Identity)]
     other_norms = {type(n).__name__ for n in norms if not _is_norm(n)}
     kinds = {_norm_kind(n) for n in norms} - {None}
+    mlp_ok = type(block.mlp).__name__ in ("Mlp", "SwiGLU") or _is_swiglu_packed(block.mlp)
+    act = _mlp_act(block.mlp, "VisionTransformer") if mlp_ok else None
+    pool, pool_problems = _attn_pool(module, act, block.attn.qkv.bias is not None)
     unsupported = {
         f"global_pool {module.global_pool!r} (supported: {', '.join(_POOLS)})": module.global_pool not in _POOLS,
-        "an attention pool other than one learned query (latent_len, qk_norm, pos_embed, pool_type)":
-            _unusual_pool(getattr(module, "attn_pool", None)),
-        "qk_norm": not isinstance(getattr(block.attn, "q_norm", nn.Identity()), nn.Identity),
-        "attention or MLP scale norms": not isinstance(getattr(block.attn, "norm", nn.Identity()), nn.Identity)
-        or not isinstance(getattr(block.mlp, "norm", nn.Identity()), nn.Identity),
+        **dict.fromkeys(pool_problems, True),
+        "qk_norm (a norm of each head's q and k)": not isinstance(getattr(block.attn, "q_norm", nn.Identity()),
+                                                                 nn.Identity),
         f"block type {type(block).__name__} (supported: Block)": type(block).__name__ != "Block",
-        f"MLP type {type(block.mlp).__name__} (supported: Mlp, SwiGLUPacked, SwiGLU)": not (
-            type(block.mlp).__name__ in ("Mlp", "SwiGLU") or _is_swiglu_packed(block.mlp)),
+        f"MLP type {type(block.mlp).__name__} (supported: Mlp, SwiGLUPacked, SwiGLU)": not mlp_ok,
         f"norm layer {', '.join(sorted(other_norms))} (supported: LayerNorm, RmsNorm)": bool(other_norms),
         "LayerNorm and RmsNorm in one model": len(kinds) > 1,
         "no position embedding": module.pos_embed is None,
         "pool_include_prefix": getattr(module, "pool_include_prefix", False),
+        f"patch embedding {type(pe).__name__} (supported: PatchEmbed; a hybrid convolutional stem is not computed)":
+        type(pe).__name__ != "PatchEmbed",
         "a non-square img_size or patch_size (the checkpoint's own grid must be square; inputs of any size run)":
         pe.img_size[0] != pe.img_size[1] or pe.patch_size[0] != pe.patch_size[1],
     }
@@ -124,7 +180,7 @@ def timm_config_to_vit(module: nn.Module) -> ViTConfig:
         image_size=pe.img_size[0], patch_size=pe.patch_size[0], in_chans=pe.proj.in_channels,
         embed_dim=module.embed_dim, depth=len(module.blocks), num_heads=block.attn.num_heads,
         mlp_dim=block.mlp.fc2.in_features, qkv_bias=block.attn.qkv.bias is not None, norm_eps=block.norm1.eps,
-        act=_mlp_act(block.mlp, "VisionTransformer"), class_token=module.cls_token is not None,
+        act=act, class_token=module.cls_token is not None,
         reg_tokens=module.num_reg_tokens, pos_embed_prefix=not module.no_embed_class,
         patch_bias=pe.proj.bias is not None, pre_norm=_is_norm(module.norm_pre),
         final_norm=_is_norm(module.norm) or _is_norm(module.fc_norm),
@@ -133,7 +189,7 @@ def timm_config_to_vit(module: nn.Module) -> ViTConfig:
         pos_resample="bicubic_float32_antialias",   # resample_abs_pos_embed, as dynamic_img_size runs it
         norm=kinds.pop() if kinds else "layernorm", proj_bias=block.attn.proj.bias is not None,
         mlp_bias=block.mlp.fc2.bias is not None, embed_norm=_is_norm(embed_norm),
-        layer_scale=not isinstance(block.ls1, nn.Identity),
+        layer_scale=not isinstance(block.ls1, nn.Identity), **pool, **_scale_norm_fields(block),
     )
 
 
@@ -177,23 +233,28 @@ def _eva_config(module: nn.Module) -> ViTConfig:
     block, pe = module.blocks[0], module.patch_embed
     attn, mlp = block.attn, block.mlp
     mlp_type = type(mlp).__name__
-    norms = {type(n).__name__ for n in (block.norm1, block.norm2, module.norm_pre, module.norm, module.fc_norm)
-             if not isinstance(n, (nn.LayerNorm, nn.Identity))}
+    norms = {type(n).__name__ for n in (block.norm1, block.norm2, module.norm_pre, module.norm, module.fc_norm,
+                                         *_scale_norms(block)) if not isinstance(n, (nn.LayerNorm, nn.Identity))}
     qkv_bias = getattr(attn, "q_bias", None) is not None or (
         getattr(attn, "qkv", None) is not None and attn.qkv.bias is not None) or (
         getattr(attn, "q_proj", None) is not None and attn.q_proj.bias is not None)
+    mlp_ok = mlp_type in ("Mlp", "SwiGLU") or _is_swiglu_packed(mlp)
+    act = _mlp_act(mlp, "Eva") if mlp_ok else None
+    pool, pool_problems = _attn_pool(module, act, qkv_bias)
     unsupported = {
-        f"block type {type(block).__name__} (supported: EvaBlock)": type(block).__name__ != "EvaBlock",
-        f"MLP type {mlp_type} (supported: Mlp, SwiGLUPacked, SwiGLU)": not (
-            mlp_type in ("Mlp", "SwiGLU") or _is_swiglu_packed(mlp)),
-        "grouped-query attention (num_kv_heads)": getattr(attn, "num_kv_heads", attn.num_heads) != attn.num_heads,
-        "qk_norm": not isinstance(getattr(attn, "q_norm", nn.Identity()), nn.Identity),
-        "an attention scale norm (scale_attn_inner)": not isinstance(getattr(attn, "norm", nn.Identity()),
-                                                                     nn.Identity),
+        f"block type {type(block).__name__} (supported: EvaBlock; EvaBlockPostNorm's norms after each branch are "
+        f"not ours)": type(block).__name__ != "EvaBlock",
+        f"MLP type {mlp_type} (supported: Mlp, SwiGLUPacked, SwiGLU)": not mlp_ok,
+        "grouped-query attention (num_kv_heads: fewer key and value heads than query heads, which the attention "
+        "kernel does not read)": getattr(attn, "num_kv_heads", attn.num_heads) != attn.num_heads,
+        "qk_norm (a norm of each head's q and k)": not isinstance(getattr(attn, "q_norm", nn.Identity()),
+                                                                 nn.Identity),
+        "gated attention (a sigmoid gate on the attention's output)": getattr(attn, "gate", None) is not None,
         "layer scale on attention only": (getattr(block, "gamma_1", None) is None) != (
             getattr(block, "gamma_2", None) is None),
         f"norm layer {', '.join(sorted(norms))} (supported: LayerNorm)": bool(norms),
-        f"global_pool {module.global_pool!r} (supported: token, avg)": module.global_pool not in ("token", "avg"),
+        f"global_pool {module.global_pool!r} (supported: {', '.join(_POOLS)})": module.global_pool not in _POOLS,
+        **dict.fromkeys(pool_problems, True),
         "a norm layer in the patch embedding": not isinstance(getattr(pe, "norm", nn.Identity()), nn.Identity),
         "a non-square img_size or patch_size (the checkpoint's own grid must be square; inputs of any size run)":
         pe.img_size[0] != pe.img_size[1] or pe.patch_size[0] != pe.patch_size[1],
@@ -204,15 +265,15 @@ def _eva_config(module: nn.Module) -> ViTConfig:
     return ViTConfig(
         image_size=pe.img_size[0], patch_size=pe.patch_size[0], in_chans=pe.proj.in_channels,
         embed_dim=module.embed_dim, depth=len(module.blocks), num_heads=attn.num_heads, mlp_dim=mlp.fc2.in_features,
-        qkv_bias=qkv_bias, norm_eps=block.norm1.eps, act=_mlp_act(mlp, "Eva"), class_token=module.cls_token is not None,
+        qkv_bias=qkv_bias, norm_eps=block.norm1.eps, act=act, class_token=module.cls_token is not None,
         reg_tokens=0 if module.reg_token is None else module.reg_token.shape[1],
         pos_embed_prefix=not module.no_embed_class, patch_bias=pe.proj.bias is not None,
         pre_norm=_is_norm(module.norm_pre), final_norm=_is_norm(module.norm) or _is_norm(module.fc_norm),
         fc_norm=_is_norm(module.fc_norm), pool=module.global_pool,
         num_classes=module.num_classes, pos_resample="bicubic_float32_antialias",
         abs_pos_embed=module.pos_embed is not None, proj_bias=attn.proj.bias is not None,
-        mlp_bias=mlp.fc2.bias is not None, mlp_norm=not isinstance(getattr(mlp, "norm", nn.Identity()), nn.Identity),
-        layer_scale=getattr(block, "gamma_1", None) is not None, key_bias=not _key_biasless(attn), **_eva_rope(module),
+        mlp_bias=mlp.fc2.bias is not None, layer_scale=getattr(block, "gamma_1", None) is not None,
+        key_bias=not _key_biasless(attn), **pool, **_scale_norm_fields(block), **_eva_rope(module),
     )
 
 
@@ -262,17 +323,24 @@ def timm_model_args(cfg: ViTConfig, architecture: str) -> tuple[dict, nn.Module]
         args["init_values"] = 1.0   # any: the gammas are the weights'
     if cfg.rope in ("axial", "centered") and not cfg.rope_cpu:   # tables computed on the device, as ours are
         args["dynamic_img_size"] = True
-    if timm.models.model_entrypoint(architecture).__module__ != "timm.models.eva":
+    if timm.models.model_entrypoint(architecture).__module__ == "timm.models.eva":
+        args.update(scale_attn_inner=cfg.attn_norm, scale_mlp=cfg.mlp_norm)
+        if cfg.pool == "map":
+            args.update(attn_pool_num_heads=cfg.attn_pool_heads,
+                        attn_pool_mlp_ratio=mlp_ratio(cfg.attn_pool_mlp_dim, cfg.embed_dim))
+    else:
         args.update(qkv_bias=cfg.qkv_bias, class_token=cfg.class_token, reg_tokens=cfg.reg_tokens,
                     no_embed_class=not cfg.pos_embed_prefix, pre_norm=cfg.pre_norm, fc_norm=cfg.fc_norm)
-        if not cfg.final_norm:
-            args["final_norm"] = False
-    with torch.device("meta"):
-        module = timm.create_model(architecture, pretrained=False, **args)
-        hidden = module.blocks[0].mlp.fc2.in_features if cfg.depth else cfg.mlp_dim
-        if hidden != cfg.mlp_dim:   # GluMlp's mlp_ratio sizes its packed fc1: gate and value rows
-            args["mlp_ratio"] = mlp_ratio(cfg.mlp_dim * cfg.mlp_dim // hidden, cfg.embed_dim)
-            module = timm.create_model(architecture, pretrained=False, **args)
+        # each only where it differs from timm's default: older timm's VisionTransformer takes none of them
+        args.update({name: value for name, value, default in (("final_norm", cfg.final_norm, True),
+                                                              ("scale_attn_norm", cfg.attn_norm, False),
+                                                              ("scale_mlp_norm", cfg.mlp_norm, False))
+                     if value != default})
+    module = timm_meta_model(architecture, **args)
+    hidden = module.blocks[0].mlp.fc2.in_features if cfg.depth else cfg.mlp_dim
+    if hidden != cfg.mlp_dim:   # GluMlp's mlp_ratio sizes its packed fc1: gate and value rows
+        args["mlp_ratio"] = mlp_ratio(cfg.mlp_dim * cfg.mlp_dim // hidden, cfg.embed_dim)
+        module = timm_meta_model(architecture, **args)
     check_written(cfg, timm_config_to_vit(module), f"timm {architecture}")
     return args, module
 

@@ -9,7 +9,7 @@ POOLS = ("token", "avg", "map")
 ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu", "swiglu")
 NORMS = ("layernorm", "rmsnorm")
 # How the position table is resampled to another patch grid, as each library does it (model/pos_embed.py).
-POS_RESAMPLES = ("bicubic_float32_antialias", "bicubic_float32", "bicubic")
+POS_RESAMPLES = ("bicubic_float32_antialias", "bicubic_float32", "bicubic", "bucket")
 # Rotary position embeddings, each as its library builds the tables (model/rope.py).
 ROPES = ("none", "axial", "mixed", "centered", "centered_inv_freq")
 
@@ -30,7 +30,8 @@ class ViTConfig:
     image_size, bicubically (align_corners=False) as the checkpoint's library does: "bicubic_float32_antialias"
     in float32 and antialiased (timm's resample_abs_pos_embed; transformers' Dinov2WithRegisters),
     "bicubic_float32" in float32 (transformers' Dinov2), "bicubic" in the table's own dtype (transformers' ViT,
-    DeiT, CLIP, SigLIP, ViTMAE).
+    DeiT, CLIP, SigLIP, ViTMAE, InternVL); "bucket" picks, for each patch, the table row of the cell its fractional
+    position falls in (transformers' Idefics3 and SmolVLM), at the checkpoint's own grid too.
     rope: rotary position embeddings on q and k of the patch tokens in every block (model/rope.py), "none" for
     none; "axial" as timm's RotaryEmbeddingCat (EVA02, RoPE-ViT axial, SBB): per axis, index * rope_theta^(-4k/Dh);
     "mixed" as timm's RotaryEmbeddingMixed (RoPE-ViT mixed): learned frequencies per layer and head, the model's
@@ -53,7 +54,11 @@ class ViTConfig:
     over the D/4 frequencies w_k = 10000^(-k / (D/4)), in float64, then rounded to the model's dtype (no prefix
     tokens, D a multiple of 4). pool "map" without pool_query_proj: the learned query attends as it is, with no q
     projection; without pool_mlp: the pool's output is its proj, with no norm and MLP after it (both off:
-    transformers' Aimv2AttentionPoolingHead).
+    transformers' Aimv2AttentionPoolingHead). pool_heads, pool_mlp_dim: the attention pool's heads and MLP width where
+    they are not the blocks' (timm's attn_pool_num_heads, attn_pool_mlp_ratio: Perception Encoder); 0: the blocks'.
+    attn_norm: a norm of the attention's output before its projection (EVA02-CLIP: timm's scale_attn_inner).
+    embed_proj_bias: the embedding projection (proj_dim) has a bias (OpenCLIP's timm towers, whose projection is the
+    timm model's head).
     layer_scale: LayerScale in every block (DeiT III, DINOv2, DINOv3, EVA02-L, the RoPE ViTs): a learned per-channel
     gamma (the blocks' ls1 and ls2) multiplying the attention's and the MLP's output before the residual add, in
     the proj and fc2 GEMMs' epilogues.
@@ -106,6 +111,10 @@ class ViTConfig:
     pos_sincos: bool = False
     pool_query_proj: bool = True
     pool_mlp: bool = True
+    pool_heads: int = 0
+    pool_mlp_dim: int = 0
+    attn_norm: bool = False
+    embed_proj_bias: bool = False
     layer_scale: bool = False
     key_bias: bool = True
     drop_path_rate: float = 0.0
@@ -148,6 +157,14 @@ class ViTConfig:
         if not (self.pool_query_proj and self.pool_mlp) and self.pool != "map":
             raise ValueError(f"pool_query_proj and pool_mlp shape the attention pool: pool_query_proj=False or "
                              f"pool_mlp=False needs pool 'map', got pool {self.pool!r}")
+        if self.pool_heads and self.pool != "map" or self.pool_mlp_dim and not (self.pool == "map" and self.pool_mlp):
+            raise ValueError(f"pool_heads and pool_mlp_dim shape the attention pool: they need pool 'map' "
+                             f"(pool_mlp_dim also pool_mlp), got pool {self.pool!r} and pool_mlp {self.pool_mlp}")
+        if self.pool_heads and (self.embed_dim % self.pool_heads or not 16 <= self.embed_dim // self.pool_heads <= 256):
+            raise ValueError(f"pool_heads must divide embed_dim {self.embed_dim} into heads of 16 to 256, got "
+                             f"{self.pool_heads}")
+        if self.embed_proj_bias and not self.proj_dim:
+            raise ValueError("embed_proj_bias is the bias of the embedding projection: it needs proj_dim > 0")
         for name in ("drop_path_rate", "drop_rate", "pos_drop_rate"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
@@ -174,6 +191,16 @@ class ViTConfig:
     @property
     def head_dim(self) -> int:
         return self.embed_dim // self.num_heads
+
+    @property
+    def attn_pool_heads(self) -> int:
+        """The attention pool's heads: pool_heads, else the blocks'."""
+        return self.pool_heads or self.num_heads
+
+    @property
+    def attn_pool_mlp_dim(self) -> int:
+        """The attention pool's MLP width: pool_mlp_dim, else the blocks'."""
+        return self.pool_mlp_dim or self.mlp_dim
 
     @property
     def embedding_dim(self) -> int:

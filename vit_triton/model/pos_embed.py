@@ -13,13 +13,29 @@ import torch
 import torch.nn.functional as F
 
 
+def bucket_rows(old_grid: tuple[int, int], new_grid: tuple[int, int], device: torch.device) -> torch.Tensor:
+    """The table row of each patch of new_grid, in row-major order, as transformers' Idefics3 and SmolVLM pick it
+    for an image without a patch mask: along each axis, patch i of n sits at i * (1 / n) (float32, below 1), and
+    takes the cell of the table's own side (old_grid, square) that this fraction falls in (torch.bucketize on the
+    cells' lower edges, on `device`). At some sides this is not the identity even at the table's own grid."""
+    side = old_grid[0]
+    edges = torch.arange(1 / side, 1.0, 1 / side, device=device)
+    cells = []
+    for n in new_grid:
+        fraction = torch.arange(n, device=device, dtype=torch.float32) * (1.0 / torch.tensor(n, device=device))
+        cells.append(torch.bucketize(fraction.clamp(max=1.0 - 1e-6), edges, right=True))
+    return (cells[0][:, None] * side + cells[1][None, :]).flatten()
+
+
 def resample(table: torch.Tensor, prefix: int, old_grid: tuple[int, int], new_grid: tuple[int, int],
              style: str) -> torch.Tensor:
     """The position table [prefix + rows * cols, D] of patch grid old_grid (rows, cols) for new_grid: the first
     `prefix` rows (the prefix tokens') as they are, then the patch rows, seen as a [D, rows, cols] image, resized
     by F.interpolate(mode="bicubic", align_corners=False) as `style` (ViTConfig.pos_resample) says: in float32
-    and antialiased, in float32, or in the table's dtype, the result in the table's dtype. At its own grid, the
-    table itself."""
+    and antialiased, in float32, or in the table's dtype, the result in the table's dtype; or "bucket": the rows
+    bucket_rows picks. At its own grid, the table itself, but for "bucket"."""
+    if style == "bucket":
+        return torch.cat([table[:prefix], table[prefix:][bucket_rows(old_grid, new_grid, table.device)]])
     if tuple(new_grid) == tuple(old_grid):
         return table
     dim = table.shape[-1]
@@ -80,9 +96,10 @@ class ResampledTables:
         self.tables: dict[tuple[int, int], tuple[torch.Tensor, tuple]] = {}
 
     def __call__(self, table: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
-        """`table` for patch grid `grid`: itself at its own grid, else its kept resampling, brought up to date."""
+        """`table` for patch grid `grid`: itself at its own grid (but for "bucket"), else its kept resampling, brought
+        up to date."""
         grid = tuple(grid)
-        if grid == self.grid:
+        if grid == self.grid and self.style != "bucket":
             return table
         if torch.compiler.is_compiling() or torch.is_grad_enabled() and table.requires_grad:
             # part of the compiled graph, or of the graph autograd records (training): no Python state to keep

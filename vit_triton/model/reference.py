@@ -74,6 +74,8 @@ def reference_forward(cfg: ViTConfig, params: dict[str, torch.Tensor], pixels: t
             q, k = (rope_reference(t, *tables, cfg.rope_half, cfg.num_prefix_tokens) for t in (q, k))
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(batch, -1, d)
+        if cfg.attn_norm:
+            a = norm(a, p, b + "attn_norm", cfg)
         scales = (None, None) if branch_scales is None else branch_scales[i]
         x = x + _branch(F.linear(a, p[b + "proj.weight"], p.get(b + "proj.bias")), p.get(b + "ls1"), scales[0])
         h = activation(F.linear(norm(x, p, b + "norm2", cfg), p[b + "fc1.weight"], p.get(b + "fc1.bias")), cfg.act)
@@ -88,7 +90,7 @@ def reference_forward(cfg: ViTConfig, params: dict[str, torch.Tensor], pixels: t
         return (F.linear(x[:, 0], p["head.weight"], p["head.bias"])
                 + F.linear(x[:, 1], p["head_dist.weight"], p["head_dist.bias"])) / 2
     if cfg.pool == "map":
-        x = attention_pool_reference(p, "attn_pool.", x, cfg.num_heads, cfg.norm_eps, cfg.act)
+        x = attention_pool_reference(p, "attn_pool.", x, cfg.attn_pool_heads, cfg.norm_eps, cfg.act)
     else:
         x = x[:, 0] if cfg.pool == "token" else x[:, cfg.num_prefix_tokens:].mean(1)
     if cfg.fc_norm:
@@ -96,7 +98,7 @@ def reference_forward(cfg: ViTConfig, params: dict[str, torch.Tensor], pixels: t
     if cfg.num_classes:
         x = F.linear(x, p["head.weight"], p["head.bias"])
     if cfg.proj_dim:
-        x = F.linear(x, p["proj.weight"])
+        x = F.linear(x, p["proj.weight"], p.get("proj.bias"))
     return x
 
 

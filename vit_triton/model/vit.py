@@ -49,7 +49,8 @@ class Block(nn.Module):
     (ops.ResidualStream, which may leave a small GEMM's sum to the next norm). The norms, qkv, attention and fc1
     write what only the next matmul reads: with float32 matmuls on tf32 they store it rounded to tf32, so that
     matmul's K loop does not round it. defer_fc2=False: fc2 updates the stream itself (no norm reads it next).
-    A gated MLP (act "swiglu") gates in fc1's epilogue; mlp_norm normalises its output before fc2. Rotary
+    attn_norm normalises the attention's output before proj (the attention then stores it unrounded: a norm reads
+    it). A gated MLP (act "swiglu") gates in fc1's epilogue; mlp_norm normalises its output before fc2. Rotary
     embeddings (rope: cos, sin tables) rotate q and k of the patch tokens in the QKV GEMM's epilogue. LayerScale
     (ls1, ls2) and stochastic depth (drop_path: the probability of dropping a branch for an image, in training)
     scale the proj's and fc2's products in their epilogues, before the residual add."""
@@ -61,6 +62,7 @@ class Block(nn.Module):
         self.rope_half, self.rope_prefix = cfg.rope_half, cfg.num_prefix_tokens
         self.norm1 = norm_layer(cfg, d, tf32_output=True, **factory)
         self.qkv = Linear(d, 3 * d, bias=cfg.qkv_bias, tf32_input=True, tf32_output=True, **factory)
+        self.attn_norm = norm_layer(cfg, d, tf32_output=True, **factory) if cfg.attn_norm else None
         self.proj = Linear(d, d, bias=cfg.proj_bias, tf32_input=True, **factory)
         self.norm2 = norm_layer(cfg, d, tf32_output=True, **factory)
         self.fc1 = Linear(d, cfg.mlp_dim, bias=cfg.mlp_bias, activation=cfg.act, tf32_input=True, tf32_output=True,
@@ -91,16 +93,19 @@ class Block(nn.Module):
         bias = self.qkv.bias
         if self.key_bias_mask is not None and torch.is_grad_enabled() and bias.requires_grad:
             bias = bias * self.key_bias_mask.to(bias.dtype)
+        rounded = self.attn_norm is None   # the output stored rounded to tf32 where only proj reads it
         if rope is not None and rope[0].requires_grad:
             # RoPE-mixed's learned frequencies in training: q and k rotated by PyTorch, differentiable in the tables
             qkv = self.qkv(h, bias=bias).view(shape)
             q, k = (rope_reference(qkv[:, :, i], *rope, self.rope_half, self.rope_prefix) for i in (0, 1))
-            attn = attention(torch.stack([q, k, qkv[:, :, 2]], 2), tf32_output=True)
+            attn = attention(torch.stack([q, k, qkv[:, :, 2]], 2), tf32_output=rounded)
         else:
             qkv = self.qkv(h, bias=bias, rope=rope, rope_half=self.rope_half, rope_prefix=self.rope_prefix)
-            attn = attention(qkv.view(shape), tf32_input=True, tf32_output=True)
-        device = attn.device
-        x = x.add(self.proj, attn.view(batch * tokens, d), col_scale=self.ls1,
+            attn = attention(qkv.view(shape), tf32_input=True, tf32_output=rounded)
+        device, attn = attn.device, attn.view(batch * tokens, d)
+        if self.attn_norm is not None:
+            attn = self.attn_norm(attn)
+        x = x.add(self.proj, attn, col_scale=self.ls1,
                   row_scale=self._drop_path(batch, tokens, device))
         h = x.norm(self.norm2)
         if self.mlp_norm is None:
@@ -143,12 +148,13 @@ class ViT(nn.Module):
         self.grad_checkpointing = False
         self.norm = norm_layer(cfg, d, **factory) if cfg.final_norm and not cfg.fc_norm else None
         self.fc_norm = norm_layer(cfg, d, **factory) if cfg.fc_norm else None
-        self.attn_pool = (AttentionPool(d, cfg.num_heads, cfg.mlp_dim, cfg.act, cfg.norm_eps, qkv_bias=cfg.qkv_bias,
+        self.attn_pool = (AttentionPool(d, cfg.attn_pool_heads, cfg.attn_pool_mlp_dim, cfg.act, cfg.norm_eps,
+                                        qkv_bias=cfg.qkv_bias,
                                         query_proj=cfg.pool_query_proj, mlp=cfg.pool_mlp, **factory)
                           if cfg.pool == "map" else None)
         self.head = Linear(d, cfg.num_classes, **factory) if cfg.num_classes else None
         self.head_dist = Linear(d, cfg.num_classes, **factory) if cfg.head_dist else None
-        self.proj = Linear(d, cfg.proj_dim, bias=False, **factory) if cfg.proj_dim else None
+        self.proj = Linear(d, cfg.proj_dim, bias=cfg.embed_proj_bias, **factory) if cfg.proj_dim else None
         if cfg.depth:   # the final norm adds the last fc2's sum, if there is one
             self.blocks[-1].defer_fc2 = self.norm is not None
 
@@ -171,6 +177,9 @@ class ViT(nn.Module):
 
     def _check_pixels(self, pixels: torch.Tensor) -> tuple[int, int]:
         """The patch grid of `pixels`, after checking them."""
+        if not isinstance(pixels, torch.Tensor):
+            raise TypeError(f"pixels must be a torch.Tensor [B, C, H, W], got {type(pixels).__name__}; for images, "
+                            f"vit_triton.Preprocess.for_model(model) makes the pixels")
         cfg = self.config
         expected = f"[B, {cfg.in_chans}, H, W]"
         if pixels.dim() != 4:
@@ -272,7 +281,8 @@ class ViT(nn.Module):
         (std 0.02) and zero bias, as timm initialises a ViT's head. A projection (CLIP's) or a distillation head
         (DeiT's) is replaced by it; config records the change."""
         factory = {"device": self.patch_embed.weight.device, "dtype": self.patch_embed.weight.dtype}
-        self.config = dataclasses.replace(self.config, num_classes=num_classes, proj_dim=0, head_dist=False)
+        self.config = dataclasses.replace(self.config, num_classes=num_classes, proj_dim=0, embed_proj_bias=False,
+                                          head_dist=False)
         self.head = Linear(self.config.embed_dim, num_classes, **factory) if num_classes else None
         self.head_dist = self.proj = None
 

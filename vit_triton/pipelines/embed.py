@@ -22,6 +22,7 @@ import functools
 import os
 import sys
 import time
+from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -29,6 +30,7 @@ from datetime import timedelta
 import numpy as np
 import torch
 import torch.nn.functional as F
+from PIL import Image
 from torch.utils.data import DataLoader, Sampler
 
 from ..data import Preprocess, UnreadableImage, load_image
@@ -41,6 +43,9 @@ from ..utils import MissingExtra
 from .store import ChunkStore, Summary, UsageError, check_image_size
 
 OUTPUT_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+# Why an image that decoded has no row: what the model made of it is not a number.
+NON_FINITE = ("NaN or infinite output (the checkpoint's weights or preprocessing make one, or a value overflows the "
+              "dtype)")
 GPU_BATCH_SIZE = 256   # the default --batch-size on a GPU (4 in the interpreter)
 CHUNK_SIZE = 4096      # the default --chunk-size (512 with --tokens)
 
@@ -99,6 +104,14 @@ class ChunkWriter:
         self.chunks: dict[int, _Chunk] = {}
 
     def add(self, batch: Batch, arrays: list[np.ndarray]) -> None:
+        """A batch's results: its outputs' arrays, one row per readable image, and last whether each row is finite
+        (those that are not become skipped images, with the reason NON_FINITE)."""
+        *arrays, finite = arrays
+        if not finite.all():
+            readable = [i for i, reason in enumerate(batch.reasons) if reason is None]
+            for row in np.flatnonzero(~finite):
+                batch.reasons[readable[row]] = NON_FINITE
+            arrays = [a[finite] for a in arrays]
         chunk = self.chunks.setdefault(batch.chunk, _Chunk())
         chunk.names += batch.readable
         chunk.arrays.append(arrays)
@@ -125,28 +138,54 @@ class _InFlight:
         return [h.numpy().copy() for h in self.host]  # out of pinned memory, which stays for reuse
 
 
-def embed_images(model, images: list, *, batch_size: int = 32, normalize: bool = False,
+def embed_images(model, images: Sequence, *, batch_size: int = 32, normalize: bool = False,
                  preprocess: Preprocess | None = None, image_size: int | tuple[int, int] | None = None) -> torch.Tensor:
     """The pooled embeddings [N, D] that `vit-triton embed` writes, float32 on the CPU, of `images` in order:
-    paths (decoded as embed decodes them) or PIL images. A file that cannot be read raises UnreadableImage
-    naming it: a tensor has no row to skip. Without `preprocess`, the checkpoint's own, for images of
-    image_size (an int or (height, width); default the checkpoint's size) as Preprocess.for_model makes it."""
+    a list of paths (decoded as embed decodes them) or PIL images (turned upright by their EXIF orientation and
+    converted to RGB the same way). A file that cannot be read raises UnreadableImage naming it, and an image whose
+    embedding is not finite ValueError: a tensor has no row to skip. Without `preprocess`, the checkpoint's own, for
+    images of image_size (an int or (height, width); default the checkpoint's size) as Preprocess.for_model makes
+    it. TypeError for anything but such a list."""
+    check_images(images, pil=True)
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     pre = preprocess or Preprocess.for_model(model, image_size)
-    mode = "L" if pre.channels == 1 else "RGB"
     outputs = embedding_fn(model, pre, normalize, False, torch.float32)
     rows = [torch.empty(0, model.config.embedding_dim)]
     with torch.inference_mode():
         for start in range(0, len(images), batch_size):
-            pixels = torch.stack([pre.resize_crop(_decoded(x, mode)) for x in images[start:start + batch_size]])
+            batch = images[start:start + batch_size]
+            pixels = torch.stack([pre.resize_crop(_decoded(x, pre.mode)) for x in batch])
             rows.append(outputs(pixels.to(model.patch_embed.weight.device))[0].cpu())
+            bad = (~rows[-1].isfinite().all(-1)).nonzero().flatten().tolist()
+            if bad:
+                what = batch[bad[0]] if isinstance(batch[bad[0]], (str, os.PathLike)) else "a PIL image"
+                raise ValueError(f"images[{start + bad[0]}] ({what}): {NON_FINITE}")
     return torch.cat(rows)
 
 
+def check_images(images, pil: bool) -> None:
+    """TypeError unless `images` is a list (any sequence but a string) of paths, or of PIL images too with `pil`,
+    naming what it got instead."""
+    kinds = (str, os.PathLike, Image.Image) if pil else (str, os.PathLike)
+    expected, one = ("paths or PIL images", "a path or a PIL image") if pil else ("paths", "a path")
+
+    def hint(x) -> str:
+        if isinstance(x, torch.Tensor):
+            return "; a tensor of pixels goes to the model itself (model(pixels), model.forward_features(pixels))"
+        return "; for one image, pass [image]" if isinstance(x, kinds) else ""
+
+    if isinstance(images, (str, bytes)) or not isinstance(images, Sequence):
+        raise TypeError(f"images must be a list of {expected}, got {type(images).__name__}{hint(images)}")
+    for i, image in enumerate(images):
+        if not isinstance(image, kinds):
+            raise TypeError(f"images[{i}] must be {one}, got {type(image).__name__}{hint(image)}")
+
+
 def _decoded(image, mode: str):
+    """A PIL image as it is (resize_crop turns it upright and converts it), or the image file at a path."""
     if not isinstance(image, (str, os.PathLike)):
-        return image.convert(mode)
+        return image
     try:
         return load_image(image, mode)
     except UnreadableImage as e:
@@ -170,10 +209,11 @@ def embedding_fn(model, pre: Preprocess, normalize: bool, tokens: bool, output_d
 def _launch(compute, graphed, batch: Batch, pixels: torch.Tensor, device: torch.device, batch_size: int,
             empty: list[torch.Tensor]) -> _InFlight:
     """Starts a batch whose pixels are on the device: computed (a full batch from its CUDA graph, when there is
-    one), and its results on their way to pinned host memory."""
+    one), and its results, then whether each image's are finite, on their way to pinned host memory."""
     if not len(pixels):
         return _InFlight(batch, empty, None)
     outputs = graphed(pixels) if graphed is not None and len(pixels) == batch_size else compute(pixels)
+    outputs = (*outputs, torch.stack([o.flatten(1).isfinite().all(1) for o in outputs]).all(0))
     cuda = device.type == "cuda"
     host = [torch.empty(o.shape, dtype=o.dtype, pin_memory=cuda).copy_(o, non_blocking=cuda) for o in outputs]
     event = None
@@ -233,11 +273,13 @@ def _sum(value: int, world: int) -> int:
 
 
 def embed(opts: EmbedOptions, log=lambda msg: print(msg, file=sys.stderr, flush=True)) -> Summary | None:
-    """Run (or resume, or add INPUT's new files to a finished output, or recognise as done) one embed
-    command; the Summary on rank 0, None elsewhere.
+    """Run (or resume, or add INPUT's new files and those replaced in place to a finished output, or recognise as
+    done) one embed command; the Summary on rank 0, None elsewhere. An image whose output is NaN or infinite is
+    skipped and listed, as an unreadable one is.
 
-    Raises UsageError for bad options, an output from other settings or one another run is writing,
-    CheckpointNotFound for a model that is not there, ValueError for a checkpoint that cannot be used.
+    Raises UsageError for bad options (a --device this machine lacks, an --output that cannot be a file), an output
+    from other settings, started in another directory, or one another run is writing, CheckpointNotFound for a
+    model that is not there, ValueError for a checkpoint that cannot be used.
     """
     rank, world, local_rank = _distributed()
     try:
@@ -250,14 +292,24 @@ def embed(opts: EmbedOptions, log=lambda msg: print(msg, file=sys.stderr, flush=
 
 
 def resolve_device(option: str | None, local_rank: int) -> torch.device:
-    """--device, else cuda:LOCAL_RANK (one GPU a process), else the CPU."""
+    """--device, else cuda:LOCAL_RANK (one GPU a process), else the CPU. UsageError for a --device this machine
+    does not have, naming those it has: the CPU and its CUDA devices, the kinds the kernels run on."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if option:
-        return torch.device(option)
-    if not torch.cuda.is_available():
+        try:
+            device = torch.device(option)
+        except RuntimeError:   # not a device type torch knows
+            device = None
+        if device is not None and (device.type == "cpu" or device.type == "cuda" and (device.index or 0) < count):
+            return device
+        has = ", ".join(["cpu", *(["cuda"] if count else []), *(f"cuda:{i}" for i in range(count))])
+        raise UsageError(f"--device {option}: expected a device of this machine: {has}"
+                         + ("" if count else " (it has no CUDA device)"))
+    if not count:
         return torch.device("cpu")
-    if local_rank >= torch.cuda.device_count():
+    if local_rank >= count:
         raise UsageError(f"LOCAL_RANK {local_rank} needs cuda:{local_rank}, but this machine has "
-                         f"{torch.cuda.device_count()} CUDA device(s): run at most that many processes a node "
+                         f"{count} CUDA device(s): run at most that many processes a node "
                          f"(torchrun --nproc-per-node) or pass --device")
     return torch.device("cuda", local_rank)
 
@@ -385,6 +437,7 @@ def _run(model, pre: Preprocess, inputs: list[str], chunks: dict[int, range], st
     if opts.tokens:
         rows, cols = model.grid(*pre.size)
         empty.append(torch.empty(0, cfg.num_prefix_tokens + rows * cols, cfg.embed_dim, dtype=out_dtype))
+    empty.append(torch.empty(0, dtype=torch.bool))   # which rows are finite (_launch)
     total = None if shards else sum(len(r) for r in chunks.values())  # a shard's count is known once it is read
     show = opts.progress if opts.progress is not None else sys.stderr.isatty()
     desc = "embed" if world == 1 else f"embed (rank 0 of {world})"

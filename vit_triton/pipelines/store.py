@@ -5,8 +5,10 @@ While running, for OUT = embeddings.parquet (or embeddings.npy), the run holds a
 (one run at a time into an output; the kernel releases it when the process dies), and the work
 directory OUT.partial/ holds
 
-  manifest.json         the settings that decide the output; a resumed run must have the same
+  manifest.json         the settings that decide the output (a resumed run must have the same), the working
+                        directory relative paths are relative to, and the finished output's inputs replaced in place
   inputs.jsonl          the input paths (image files or tar shards), one JSON string per line: line i is input i
+  stats.json            each input's [size, mtime_ns] when it was listed (null for a URL or a missing file)
   chunk-000012-0000.npz part 0 of chunk 12's rows (about C a part): name, embedding [n, D] (, tokens [n, T, D])
   chunk-000012.json     its done marker, written after its parts: rows, parts, and the skipped (name, reason)
   base.*                when adding new inputs to a finished output: its files as they were (hard links)
@@ -21,14 +23,21 @@ done, so that the end has only the last chunks left; a .npy output is merged at 
 first). The finished output, renamed into place once complete, is
 
   embeddings.parquet    columns path (string), embedding (fixed-size list), tokens (optional)
-  or embeddings.npy [N, D] + embeddings.paths.json (its paths, row for row) (+ embeddings.tokens.npy)
+  or embeddings.npy [N, D] + embeddings.paths.json (an object: "paths", those of the rows in order, and the
+                        run's "settings", "cwd", "done" and "skipped") (+ embeddings.tokens.npy)
   embeddings.skipped.tsv  path and reason of each input that is not an image or cannot be read
+  embeddings.inputs.tsv   path, size and mtime_ns of each input (image file or tar shard) as it was listed
 
 in input order (a shard's images in archive order, named SHARD#MEMBER), skipped inputs left out. The
 settings travel in the output (Parquet metadata, the paths file), and for shards the list of those read, so
-running a finished command again is recognised: it embeds only the files new in INPUT and writes their rows
-after the output's (inputs gone from INPUT are named, and stay in the output). INPUT is recorded and compared
-as an absolute path (a URL as it is): imgs, imgs/ and ./imgs are one folder.
+running a finished command again is recognised: it embeds only the files new in INPUT, and those replaced in
+place (another size or modification time than the inputs file records), and writes their rows after the
+output's, the replaced files' old rows and skipped entries left out (inputs gone from INPUT are named, and stay in
+the output). A resumed run likewise embeds again the done chunks of files changed since it started. INPUT, and
+--model where it is a local checkpoint, are recorded and compared as absolute paths (a URL or hub id as it is):
+imgs, imgs/ and ./imgs are one folder. The inputs' paths are recorded as INPUT lists them: relative ones only
+name the same files from the working directory the output was started in, where a later run must be.
+The output's own files, in INPUT, are no inputs.
 """
 
 from __future__ import annotations
@@ -42,17 +51,19 @@ import json
 import os
 import shutil
 import threading
+from collections.abc import Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from ..data.sources import absolute, is_shard
+from ..data.sources import absolute, file_stat, is_shard, is_url
 from ..utils import require, write_atomic
 
 FORMATS = (".parquet", ".npy")
 _META_KEY = b"vit_triton"
+_INPUTS_HEADER = ("path", "size", "mtime_ns")
 
 
 class UsageError(ValueError):
@@ -94,7 +105,7 @@ class ChunkStore:
                              f"got {self.output}")
         if self.output.suffix == ".parquet":
             require("pyarrow.parquet", "embed", "--output *.parquet")
-        self.settings = _absolute_input(settings)
+        self.settings = _resolved(settings)
         self.chunk_size: int = settings["chunk_size"]
         self.work = self.output.with_name(self.output.name + ".partial")
         self.lock_file = self.output.with_name(self.output.name + ".lock")
@@ -102,7 +113,12 @@ class ChunkStore:
         self.skipped_file = self.output.with_name(stem + ".skipped.tsv")
         self.paths_file = self.output.with_name(stem + ".paths.json")
         self.tokens_file = self.output.with_name(stem + ".tokens.npy")
+        self.inputs_file = self.output.with_name(stem + ".inputs.tsv")
         self._done_file = self.output if self.output.suffix == ".parquet" else self.paths_file
+        files = [os.path.abspath(p) for p in (self.output, self.lock_file, self.skipped_file, self.paths_file,
+                                              self.tokens_file, self.inputs_file)]
+        self._own_files = set(files)
+        self._own_prefixes = (os.path.abspath(self.work) + os.sep, *(f + ".tmp-" for f in files))
 
     # -- starting, resuming --
 
@@ -110,7 +126,15 @@ class ChunkStore:
     def lock(self):
         """Hold OUT.lock for the with-block: a POSIX record lock, which the kernel releases when the process
         ends, however (kill -9 included), and which child processes do not inherit. Raises UsageError,
-        naming the process that holds it, while another one does."""
+        naming the process that holds it, while another one does, and for an output path that cannot be a file."""
+        for folder in self.output.parents:   # the nearest one there must be a directory
+            if folder.exists():
+                if not folder.is_dir():
+                    raise UsageError(f"--output {self.output}: {folder} is a file, not a directory")
+                break
+        if self.output.is_dir():
+            raise UsageError(f"--output {self.output} is a directory: expected a file's path, ending in "
+                             f"{' or '.join(FORMATS)}")
         self.lock_file.parent.mkdir(parents=True, exist_ok=True)
         while True:
             fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
@@ -140,22 +164,25 @@ class ChunkStore:
             return "?"
 
     def prepare(self, list_inputs, log, overwrite: bool = False) -> tuple[list[str] | None, str]:
-        """Start a run or pick one up: (inputs, "new" | "resumed"), (the inputs new in INPUT, "added") to add
-        to this finished output, or (None, "complete") when it is finished with the same settings and INPUT
-        has nothing new; log(message) says what changed in INPUT. Rank 0 only, holding the lock."""
+        """Start a run or pick one up: (inputs, "new" | "resumed"), (the inputs new in INPUT or replaced in place,
+        "added") to add to this finished output, or (None, "complete") when it is finished with the same settings
+        and INPUT has nothing new; log(message) says what changed in INPUT. list_inputs() lists INPUT; this
+        output's own files among them are left out. Rank 0 only, holding the lock."""
         if overwrite:
             self._remove_outputs()
         if (self.work / "manifest.json").is_file():
-            saved = json.loads((self.work / "manifest.json").read_text())["settings"]
-            self._check_same(saved, f"a run into {self.output} was started")
+            manifest = self.manifest()
+            self._check_same(manifest["settings"], f"a run into {self.output} was started")
+            inputs = self.read_inputs()
+            self._check_cwd(manifest.get("cwd"), inputs)
             for stale in self.work.glob("*.tmp-*"):  # left by a killed run
                 stale.unlink()
-            inputs = self.read_inputs()
             written = self.written_inputs(base=True) if self._base(self._done_file).is_file() else []
-            added, _ = _changes(written + inputs, list_inputs())
+            added, _ = _changes(written + inputs, self._listed(list_inputs))
             if added:
                 log(f"vit-triton embed: {len(added)} file(s) new in INPUT since this run started are not part of "
                     f"it: run the command again when it is done to add them")
+            self._redo_changed(inputs, log)
             return inputs, "resumed"
         if self._done_file.is_file() or self.output.is_file():
             meta = self.final_metadata()
@@ -163,45 +190,106 @@ class ChunkStore:
                 raise UsageError(f"{self.output} exists and was not written by vit-triton embed: choose another "
                                  f"--output or pass --overwrite")
             self._check_same(meta["settings"], f"{self.output} was written")
-            listed = list_inputs()
+            written = self.written_inputs()
+            self._check_cwd(meta.get("cwd"), written)
+            listed = self._listed(list_inputs)
             if ("shards" in meta) != is_shard(listed[0]):
                 kinds = ("image files", "tar shards") if is_shard(listed[0]) else ("tar shards", "image files")
                 raise UsageError(f"{self.output} was written from {kinds[0]}, but INPUT now names {kinds[1]}: "
                                  f"pass --overwrite to start over")
-            added, removed = _changes(self.written_inputs(), listed)
+            added, removed = _changes(written, listed)
             if removed:
                 log(f"vit-triton embed: warning: {len(removed)} input(s) of {self.output} are no longer in INPUT "
                     f"(the first: {removed[0]}): they stay in it; pass --overwrite to embed INPUT as it is now")
-            if not added:
+            replaced = self._replaced(listed)   # {the path listed: its name in the output}
+            if not added and not replaced:
                 return None, "complete"
-            log(f"vit-triton embed: {len(added)} file(s) new in INPUT since {self.output} was written: embedding "
-                f"them, to add after its {meta['done']} rows")
-            self._start(added, base=True)
-            return added, "added"
-        inputs = list_inputs()
+            if added:
+                log(f"vit-triton embed: {len(added)} file(s) new in INPUT since {self.output} was written: "
+                    f"embedding them, to add after its {meta['done']} rows")
+            if replaced:
+                log(f"vit-triton embed: {len(replaced)} file(s) of {self.output} changed since it was written (size "
+                    f"or modification time; the first: {next(iter(replaced))}): embedding them again, their rows "
+                    f"to replace the old ones, after the others")
+            chosen = set(added) | replaced.keys()
+            inputs = [p for p in listed if p in chosen]
+            self._start(inputs, base=True, replaced=list(replaced.values()))
+            return inputs, "added"
+        inputs = self._listed(list_inputs)
         self._start(inputs, base=False)
         return inputs, "new"
 
-    def _start(self, inputs: list[str], base: bool) -> None:
+    def owns(self, path: str) -> bool:
+        """Whether an input path is one of this output's own files: a finished output's, the lock, the work
+        directory's, or a temporary file of one of them."""
+        if is_url(path):
+            return False
+        path = os.path.abspath(path)
+        return path in self._own_files or path.startswith(self._own_prefixes)
+
+    def _listed(self, list_inputs) -> list[str]:
+        """list_inputs(), this output's own files left out; UsageError if nothing else is left."""
+        inputs = [p for p in list_inputs() if not self.owns(p)]
+        if not inputs:
+            raise UsageError(f"INPUT {self.settings['input']}: names no files but those of the output {self.output}")
+        return inputs
+
+    def _check_cwd(self, cwd: str | None, names: list[str]) -> None:
+        """UsageError if `names`, the output's inputs, hold paths relative to `cwd`, the directory the output was
+        started in, and this run is elsewhere: there they would name other files."""
+        if cwd and cwd != os.getcwd() and any(not is_url(n) and not os.path.isabs(n) for n in names):
+            raise UsageError(f"{self.output} names its inputs by paths relative to {cwd}, where it was started: "
+                             f"run the command from there")
+
+    def _replaced(self, listed: list[str]) -> dict[str, str]:
+        """{path in `listed`: its name in the finished output} of its inputs whose size or modification time is not
+        what the output's inputs file records (none where it records none)."""
+        recorded = {absolute(name): (name, stat) for name, stat in _read_stats(self.inputs_file)}
+        replaced = {}
+        for path in listed:
+            name, stat = recorded.get(absolute(path), (None, None))
+            if name is not None and file_stat(path) != stat:
+                replaced[path] = name
+        return replaced
+
+    def _redo_changed(self, inputs: list[str], log) -> None:
+        """Of a run being resumed: the done chunks of inputs whose size or modification time changed since it
+        started lose their markers, to be embedded again; every input's stat is recorded as it is now (the
+        chunks still to do read them now)."""
+        stats_file = self.work / "stats.json"
+        now = [file_stat(p) for p in inputs]
+        then = self.input_stats() if stats_file.is_file() else now   # a run started by an older version: unknown
+        per_chunk = self._inputs_per_chunk(inputs)
+        changed = [i for i, (a, b) in enumerate(zip(then, now)) if a != b and self._marker(i // per_chunk).is_file()]
+        chunks = sorted({i // per_chunk for i in changed})
+        for k in chunks:
+            self._marker(k).unlink()
+        if chunks:
+            log(f"vit-triton embed: {len(changed)} file(s) changed since this run started (size or modification "
+                f"time; the first: {inputs[changed[0]]}): embedding their {len(chunks)} chunk(s) again")
+        write_atomic(stats_file, lambda f: f.write(json.dumps(now).encode()))
+
+    def _start(self, inputs: list[str], base: bool, replaced: Sequence[str] = ()) -> None:
         shutil.rmtree(self.work, ignore_errors=True)
         self.work.mkdir(parents=True)
         if base:
             # The finished output as it is now, for the merge to read (and again after a kill while merging).
-            for path in (self.output, self.tokens_file, self.paths_file, self.skipped_file):
+            for path in (self.output, self.tokens_file, self.paths_file, self.skipped_file, self.inputs_file):
                 if path.is_file():
                     _snapshot(path, self._base(path))
         write_atomic(self.work / "inputs.jsonl", lambda f: f.writelines(
             (json.dumps(p) + "\n").encode() for p in inputs))
+        write_atomic(self.work / "stats.json", lambda f: f.write(json.dumps([file_stat(p) for p in inputs]).encode()))
         # The manifest last: a work directory without one is from a run killed while starting.
         write_atomic(self.work / "manifest.json", lambda f: f.write(_json_bytes(
-            {"settings": self.settings, "num_inputs": len(inputs)})))
+            {"settings": self.settings, "num_inputs": len(inputs), "cwd": os.getcwd(), "replaced": list(replaced)})))
 
     def _base(self, path: Path) -> Path:
         """Where the work directory keeps the finished output's file `path` while new inputs are added to it."""
         return self.work / f"base.{path.name}"
 
     def _check_same(self, saved: dict, what: str) -> None:
-        saved = _absolute_input(saved)  # as it is recorded now, if it was not
+        saved = _resolved(saved)  # as it is recorded now, if it was not
         diff = [f"{k}: {saved.get(k)!r} then, {v!r} now" for k, v in self.settings.items() if saved.get(k) != v]
         if diff:
             raise UsageError(f"{what} with other settings ({'; '.join(diff)}): run it with the same ones to "
@@ -209,8 +297,16 @@ class ChunkStore:
 
     def _remove_outputs(self) -> None:
         shutil.rmtree(self.work, ignore_errors=True)
-        for path in (self.output, self.skipped_file, self.paths_file, self.tokens_file):
+        for path in (self.output, self.skipped_file, self.paths_file, self.tokens_file, self.inputs_file):
             path.unlink(missing_ok=True)
+
+    def manifest(self) -> dict:
+        """manifest.json of the run: {"settings", "num_inputs", "cwd", "replaced"}."""
+        return json.loads((self.work / "manifest.json").read_text())
+
+    def input_stats(self) -> list[tuple[int, int] | None]:
+        """stats.json: each input's (size, mtime_ns) as this run recorded it."""
+        return [tuple(s) if s else None for s in json.loads((self.work / "stats.json").read_text())]
 
     def read_inputs(self) -> list[str]:
         # One JSON array of the lines: a quarter of the time of a json.loads a line (millions of inputs, every rank).
@@ -261,8 +357,8 @@ class ChunkStore:
     # -- reading a finished output --
 
     def final_metadata(self, base: bool = False) -> dict | None:
-        """{"settings", "done", "skipped"} of a finished output (of its copy in the work directory with base),
-        None if it is not one of ours."""
+        """{"settings", "cwd", "done", "skipped"} (and "shards") of a finished output (of its copy in the work
+        directory with base), None if it is not one of ours."""
         output, paths_file = (self._base(p) if base else p for p in (self.output, self.paths_file))
         try:
             if output.suffix == ".parquet":
@@ -282,15 +378,17 @@ class ChunkStore:
         meta = self.final_metadata(base)
         if "shards" in meta:
             return meta["shards"]
-        output, paths_file, skipped_file = (self._base(p) if base else p
-                                            for p in (self.output, self.paths_file, self.skipped_file))
+        skipped_file = self._base(self.skipped_file) if base else self.skipped_file
+        return self.row_names(base) + [path for path, _ in _read_tsv(skipped_file)]
+
+    def row_names(self, base: bool = False) -> list[str]:
+        """The names of a finished output's rows (of its copy in the work directory with base), in order."""
+        output, paths_file = (self._base(p) if base else p for p in (self.output, self.paths_file))
         if output.suffix == ".parquet":
             import pyarrow.parquet as pq
 
-            paths = pq.read_table(output, columns=["path"])["path"].to_pylist()
-        else:
-            paths = json.loads(paths_file.read_text())["paths"]
-        return paths + [path for path, _ in _read_tsv(skipped_file)]
+            return pq.read_table(output, columns=["path"])["path"].to_pylist()
+        return json.loads(paths_file.read_text())["paths"]
 
     def finished_summary(self) -> Summary:
         meta = self.final_metadata()
@@ -313,6 +411,13 @@ class Merge:
         self.markers: list[dict] = []  # those of the chunks merged so far, in order
         self._base = store._base(store._done_file).is_file()
         self._parquet = store.output.suffix == ".parquet"
+        manifest = store.manifest()
+        self._cwd, replaced = manifest.get("cwd"), manifest.get("replaced", [])
+        self._gone = set(replaced)
+        self._gone_members = tuple(f"{shard}#" for shard in replaced) if is_shard(inputs[0]) else ()
+        # Which of the finished output's rows stay (None: all): not those of the inputs replaced in place.
+        self._kept = (np.array([self._stays(name) for name in store.row_names(base=True)], dtype=bool)
+                      if self._base and replaced else None)
         # In the work directory, named as a temporary file: a later run removes it, whatever killed this one.
         self._partial = store.work / f"{store.output.name}.tmp-{os.getpid()}"
         self._writer = None
@@ -345,6 +450,11 @@ class Merge:
         except Exception as e:  # finish() raises it
             self._error = e
 
+    def _stays(self, name: str) -> bool:
+        """Whether a row, skipped entry or input of the finished output stays in it: not one of an input replaced
+        in place (a shard's rows are named SHARD#MEMBER)."""
+        return name not in self._gone and not name.startswith(self._gone_members)
+
     def _halt(self) -> None:
         self._stop.set()
         if self._thread is not None:
@@ -359,8 +469,8 @@ class Merge:
         self._partial.unlink(missing_ok=True)
 
     def finish(self) -> Summary:
-        """Stop the thread (raising what it raised), merge the chunks it did not, write the skipped-files list, put
-        the output in place, remove the work directory. Every chunk must be done."""
+        """Stop the thread (raising what it raised), merge the chunks it did not, write the skipped-files list and the
+        inputs file, put the output in place, remove the work directory. Every chunk must be done."""
         self._halt()
         if self._error is not None:
             raise self._error
@@ -371,19 +481,26 @@ class Merge:
         for k in range(len(self.markers), self.num_chunks):
             self._take(k)
         old = store.final_metadata(base=True) if self._base else {"done": 0}
-        rows = old["done"] + sum(m["rows"] for m in self.markers)
-        skipped = (_read_tsv(store._base(store.skipped_file)) if self._base else []) + [
+        rows = (old["done"] if self._kept is None else int(self._kept.sum())) + sum(m["rows"] for m in self.markers)
+        skipped = self._base_rows(store.skipped_file) + [
             (name, reason) for m in self.markers for name, reason in m["skipped"]]
         write_atomic(store.skipped_file, lambda f: f.write(tsv_bytes(skipped)))
-        meta = {"settings": store.settings, "done": rows, "skipped": len(skipped)}
+        recorded = self._base_rows(store.inputs_file) + [
+            (path, *(stat or ("", ""))) for path, stat in zip(self.inputs, store.input_stats())]
+        write_atomic(store.inputs_file, lambda f: f.write(tsv_bytes(recorded, _INPUTS_HEADER)))
+        meta = {"settings": store.settings, "cwd": self._cwd, "done": rows, "skipped": len(skipped)}
         if is_shard(self.inputs[0]):  # what a later run compares INPUT with: its rows name members, not shards
-            meta["shards"] = old.get("shards", []) + self.inputs
+            meta["shards"] = [shard for shard in old.get("shards", []) if self._stays(shard)] + self.inputs
         if self._parquet:
             self._close_parquet(meta)
         else:
             self._write_npy(rows, meta)
         shutil.rmtree(store.work)
         return Summary(store.output, rows, len(skipped), store.skipped_file)
+
+    def _base_rows(self, tsv: Path) -> list[tuple[str, ...]]:
+        """The rows that stay of the finished output's skipped-files list or inputs file `tsv`; none if not adding."""
+        return [row for row in _read_tsv(self.store._base(tsv)) if self._stays(row[0])] if self._base else []
 
     def _parts(self, chunk: int, marker: dict) -> list[Path]:
         return [self.store._part(chunk, p) for p in range(marker["parts"])]
@@ -397,8 +514,12 @@ class Merge:
                 import pyarrow.parquet as pq
 
                 with pq.ParquetFile(self.store._base(self.store.output)) as old:
+                    start = 0
                     for g in range(old.num_row_groups):
-                        self._write(old.read_row_group(g))
+                        table = old.read_row_group(g)
+                        if self._kept is not None:
+                            table, start = table.filter(self._kept[start:start + len(table)]), start + len(table)
+                        self._write(table)
             for arrays in _part_arrays(self._parts(chunk, marker)):
                 self._write(_row_group(arrays))
         self.markers.append(marker)
@@ -437,6 +558,12 @@ class Merge:
             os.fsync(f.fileno())
         os.replace(self._partial, self.store.output)
 
+    def _kept_rows(self, array: np.ndarray):
+        """The rows that stay of an array of the finished .npy output (a memmap), a block at a time."""
+        if self._kept is None:
+            return [array]
+        return (array[s:s + _KEEP_BLOCK][self._kept[s:s + _KEEP_BLOCK]] for s in range(0, len(array), _KEEP_BLOCK))
+
     def _write_npy(self, rows: int, meta: dict) -> None:
         store = self.store
         parts = [part for k, m in enumerate(self.markers) for part in self._parts(k, m)]
@@ -447,7 +574,7 @@ class Merge:
         store.paths_file.unlink(missing_ok=True)
         for name in [n for n in ("embedding", "tokens") if n in held]:
             tmp = targets[name].with_name(targets[name].name + f".tmp-{os.getpid()}")
-            bases = [np.load(store._base(targets[name]), mmap_mode="r")] if self._base else []
+            bases = self._kept_rows(np.load(store._base(targets[name]), mmap_mode="r")) if self._base else []
             out, row = None, 0
             for array in itertools.chain(bases, (arrays[name] for arrays in _part_arrays(parts, (name,)))):
                 if out is None:   # shaped by the first array: every part has one, if of no rows
@@ -457,9 +584,12 @@ class Merge:
             out.flush()
             del out
             os.replace(tmp, targets[name])
-        paths = json.loads(store._base(store.paths_file).read_text())["paths"] if self._base else []
+        paths = [name for name in store.row_names(base=True) if self._stays(name)] if self._base else []
         paths += [name for arrays in _part_arrays(parts, ("name",)) for name in arrays["name"].tolist()]
         write_atomic(store.paths_file, lambda f: f.write(_json_bytes({**meta, "paths": paths})))
+
+
+_KEEP_BLOCK = 65536   # rows of a finished .npy output read at a time to leave those replaced out
 
 
 def _part_arrays(parts: list[Path], names: tuple[str, ...] | None = None):
@@ -480,25 +610,36 @@ def _row_group(arrays: dict):
     return pa.table(columns)
 
 
-def tsv_bytes(rows: list[tuple[str, str]]) -> bytes:
+def tsv_bytes(rows: list[tuple], header: tuple[str, ...] = ("path", "reason")) -> bytes:
     text = io.StringIO()
     writer = csv.writer(text, delimiter="\t", lineterminator="\n")
-    writer.writerow(["path", "reason"])
+    writer.writerow(header)
     writer.writerows(rows)
     return text.getvalue().encode()
 
 
-def _read_tsv(path: Path) -> list[tuple[str, str]]:
-    """The (path, reason) rows of a skipped-files list; none if there is no such file."""
+def _read_tsv(path: Path) -> list[tuple[str, ...]]:
+    """The rows of a skipped-files list (path, reason) or inputs file (path, size, mtime_ns), header left out; none
+    if there is no such file."""
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         return []
-    return [(p, reason) for p, reason in list(csv.reader(io.StringIO(text), delimiter="\t"))[1:]]
+    return [tuple(row) for row in list(csv.reader(io.StringIO(text), delimiter="\t"))[1:]]
 
 
-def _absolute_input(settings: dict) -> dict:
-    return {**settings, "input": absolute(settings["input"])}
+def _read_stats(path: Path) -> list[tuple[str, tuple[int, int] | None]]:
+    """(path, (size, mtime_ns) or None) of each input an inputs file records."""
+    return [(p, (int(size), int(mtime)) if size else None) for p, size, mtime in _read_tsv(path)]
+
+
+def _resolved(settings: dict) -> dict:
+    """settings with INPUT, and the model where it is a local checkpoint, as absolute paths, as an output records and
+    compares them (a URL or a hub id as it is)."""
+    model = settings.get("model")
+    if model is not None and os.path.exists(os.path.expanduser(model)):   # where from_pretrained reads it
+        model = os.path.abspath(os.path.expanduser(model))
+    return {**settings, "input": absolute(settings["input"]), **({"model": model} if "model" in settings else {})}
 
 
 def _changes(old: list[str], new: list[str]) -> tuple[list[str], list[str]]:
