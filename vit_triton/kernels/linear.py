@@ -50,7 +50,8 @@ The file, in reading order:
 - _tile_coords, _rotate and _epilogue, shared by both kernels: the grouped order of output tiles, the rotary
   embedding of a QKV tile, and what a finished fp32 tile goes through before its one store (bias, then the
   rotation or the activation of activation.py, then the residual add, then the scale, so no elementwise kernel
-  follows the GEMM). swiglu's activation halves the tile's width.
+  follows the GEMM). swiglu's activation halves the tile's width. _store_tile, that store, through a TMA
+  descriptor or a pointer (the backward's epilogues share it).
 - _linear_plain_kernel, the kernel to read first (Triton's matrix-multiplication tutorial): masked pointer loads,
   one program per output tile and K slice. It runs where a matrix is not 16-byte aligned (common.tma_ready), and
   its candidate configs follow it.
@@ -203,10 +204,17 @@ def _epilogue(acc, m0, n0, split, M, N, b_ptr, r, y, stride_rm, stride_ym, scale
         acc *= scale
     if Y_TF32:
         acc = to_tf32(acc)
-    if Y_TMA:
-        y.store([m0, n0], cast(acc, y.dtype))
+    _store_tile(y, acc, m0, n0, (rows + split * M) * stride_ym + offs_n[None, :], mask, Y_TMA)
+
+
+@triton.jit
+def _store_tile(out, acc, r0, c0, offsets, mask, TMA: tl.constexpr):
+    """The fp32 tile acc in out's dtype, stored at (r0, c0) through out's TMA descriptor (clipped to its shape), or
+    at the pointer out + offsets where mask holds."""
+    if TMA:
+        out.store([r0, c0], cast(acc, out.dtype))
     else:
-        tl.store(y + (rows + split * M) * stride_ym + offs_n[None, :], cast(acc, y.dtype.element_ty), mask=mask)
+        tl.store(out + offsets, cast(acc, out.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -769,10 +777,7 @@ def _dx_epilogue(acc, m0, k0, M, K, out, stride_om, x_pre_ptr, stride_xpm, x_ptr
         offs_k = offs_pre
         mask = mask_pre
     if STORE_OUT:
-        if OUT_TMA:
-            out.store([m0, k0], cast(acc, out.dtype))
-        else:
-            tl.store(out + rows * stride_om + offs_k[None, :], cast(acc, out.dtype.element_ty), mask=mask)
+        _store_tile(out, acc, m0, k0, rows * stride_om + offs_k[None, :], mask, OUT_TMA)
 
 
 @triton.jit
@@ -793,10 +798,7 @@ def _dw_epilogue(acc, n0, k0, split, pid_k, num_k, N, K, out, stride_on, gamma_p
     if HAS_GAMMA:
         acc *= tl.load(gamma_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
     if STORE_OUT:
-        if OUT_TMA:
-            out.store([n0, k0], cast(acc, out.dtype))
-        else:
-            tl.store(out + (rows + split * N) * stride_on + offs_k[None, :], cast(acc, out.dtype.element_ty), mask=mask)
+        _store_tile(out, acc, n0, k0, (rows + split * N) * stride_on + offs_k[None, :], mask, OUT_TMA)
 
 
 @triton.jit

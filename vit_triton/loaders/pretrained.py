@@ -83,8 +83,9 @@ def from_pretrained(name_or_path: str | os.PathLike, *, device: torch.device | s
     pytorch_model.bin, sharded with an index or not, preprocessor_config.json for transformers; or
     OpenCLIP's open_clip_config.json with open_clip_model.safetensors or open_clip_pytorch_model.bin); or a
     local weights file with its config beside it. device: default CUDA if there is one, else CPU
-    (which needs TRITON_INTERPRET=1 to run). dtype: default bfloat16 on a GPU, float32 on the CPU. training: the regularization model.train() applies, timm's names
-    (ViTConfig's drop_path_rate, drop_rate, pos_drop_rate), which no checkpoint records.
+    (which needs TRITON_INTERPRET=1 to run). dtype: default bfloat16 on a GPU, float32 on the CPU. training: the
+    regularization model.train() applies, timm's names (ViTConfig's drop_path_rate, drop_rate, pos_drop_rate),
+    which no checkpoint records.
     """
     unknown = sorted(set(training) - set(TRAINING_FIELDS))
     if unknown:
