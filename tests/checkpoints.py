@@ -60,7 +60,8 @@ def family_outputs(model, pixels):
     if isinstance(model, transformers.InternVLVisionModel):
         pooled = features[:, 1:].mean(1) if model.config.use_mean_pooling else features[:, 0]
     else:
-        pooled = features.mean(1) if out.pooler_output is None else out.pooler_output
+        pooled = getattr(out, "pooler_output", None)   # SmolVLM's output class has none in transformers 5.17
+        pooled = features.mean(1) if pooled is None else pooled
     return features, pooled, pooled
 
 

@@ -1,7 +1,7 @@
 """Runs every kernel through Triton's interpreter on machines without a CUDA device (TRITON_INTERPRET must
 be set before triton is imported, which conftest.py precedes), patching the language once a launch and without
-the interpreter's overflow checks; torch.compile's caches in a folder of this run's
-own; `one_config` pins the tuned kernels to one launch config; `memory` is a fresh memory:// folder,
+the interpreter's overflow checks; torch.compile's caches in a folder of this run's own; `one_config` pins the
+tuned kernels to one launch config (in every test with --first-config); `memory` is a fresh memory:// folder,
 `missing_protocol` an fsspec protocol without its package."""
 
 import atexit
@@ -74,6 +74,18 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 # are not in its key): each test run compiles afresh.
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="vit-triton-inductor-")
 atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--first-config", action="store_true",
+                     help="pin every tuned kernel to its first launch config (one_config) in each test but the "
+                          "tuner's own (marked tuning): on a GPU, a run that tunes no shape")
+
+
+@pytest.fixture(autouse=True)
+def _first_config_option(request):
+    if request.config.getoption("--first-config") and not request.node.get_closest_marker("tuning"):
+        request.getfixturevalue("one_config")
 
 
 @pytest.fixture

@@ -5,8 +5,8 @@ non-constexpr global, say); this compiles each kernel's first autotune config fo
 and epilogue through to a cubin (as launched on Hopper, with programmatic dependent launch), and
 prints how many wgmma, TMA (cp.async.bulk.tensor), asynchronous copy (cp.async), griddepcontrol
 and L2 prefetch instructions each PTX holds (the prefetches: in all, and before the wait), how many
-global loads, stores and copies come before the wait, and whether the next kernel is let launch
-before the first load after the wait (PDL_EARLY).
+global loads, stores and copies come before the wait, whether the next kernel is let launch
+before the first load after the wait (PDL_EARLY), and the shared memory a program takes.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from vit_triton.kernels.common import PDL_EARLY, PDL_LATE  # noqa: E402
 from vit_triton.kernels.tuning import Config  # noqa: E402
 from vit_triton.kernels.activation import ACTIVATIONS, gelu_fit_degree  # noqa: E402
 from vit_triton.kernels.linear import (  # noqa: E402
-    BACKWARD, FLOAT32, LARGE_M, PLAIN, TINY_M, WIDE_RESIDUAL, _column_sums_kernel, _grad_kernel,
+    BACKWARD, FLOAT32, LARGE_M, PLAIN, PLAIN_FLOAT32, TINY_M, WIDE_RESIDUAL, _column_sums_kernel, _grad_kernel,
     _linear_backward_plain_kernel, _linear_backward_tma_kernel, _linear_plain_kernel, _linear_tma_kernel, _sum_kernel,
 )
 from vit_triton.kernels.patch_embed import (  # noqa: E402
@@ -53,16 +53,17 @@ FLOAT_ARGS = {"eps", "qk_scale", "scale"}
 ALIGNED_INTS = re.compile(r"[NKDPQR]|stride_\w+|s[qkvo]_[bth]")
 LINEAR_OUTPUT = "y"   # the TMA linear kernel's output: a descriptor, or a pointer
 # The backward's fp32 statistics and partial sums: log-sum-exp and rowsum(dO * O), a norm's mean and 1 / std,
-# a norm's and LayerScale's partial gradients.
-FLOAT32_POINTERS = {"lse_ptr", "delta_ptr", "stats_ptr", "dsum_ptr", "dgamma_ptr"}
+# a norm's and LayerScale's partial gradients; stochastic depth's per-row factors.
+FLOAT32_POINTERS = {"lse_ptr", "delta_ptr", "stats_ptr", "dsum_ptr", "dgamma_ptr", "row_scale_ptr"}
 INDEX_POINTERS = {"table_ptr": "*i64", "images_ptr": "*i32", "first_ptr": "*i32", "taps_ptr": "*i32",   # resize's
                   "meta_ptr": "*i32", "codes_ptr": "*i32", "counts_ptr": "*i64"}   # and chroma's
 # Global loads, stores, copies and atomics in PTX (not the L2 prefetch, an inline asm block of its own).
 MEMORY_OP = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:(?:ld|st)\.global|cp\.async|atom\.|red\.)", re.M)
 
 
-def compile_kernel(kernel, dtype: str, options: dict, constexprs: dict, types: dict | None = None) -> str:
-    """PTX of `kernel` (a JITFunction or an Autotuner, whose first config is used) for sm_90.
+def compile_kernel(kernel, dtype: str, options: dict, constexprs: dict, types: dict | None = None) -> tuple[str, int]:
+    """(PTX, bytes of shared memory a program takes) of `kernel` (a JITFunction or an Autotuner, whose first config
+    is used) for sm_90.
 
     Pointer arguments (named *_ptr) get `dtype` ("tf32" means fp32 pointers) but the fp32 partial
     sums of split K and the fp32 statistics, integers i32; `types` maps argument names to TMA descriptor
@@ -100,7 +101,8 @@ def compile_kernel(kernel, dtype: str, options: dict, constexprs: dict, types: d
                if kind.startswith("*") or (kind == "i32" and ALIGNED_INTS.fullmatch(name))}
     src = triton.compiler.ASTSource(fn=kernel, signature=signature, attrs=aligned,
                                     constexprs={index[k]: v for k, v in constexprs.items()})
-    return triton.compile(src, target=TARGET, options=options).asm["ptx"]
+    compiled = triton.compile(src, target=TARGET, options=options)
+    return compiled.asm["ptx"], compiled.metadata.shared
 
 
 def linear_case(name: str, dtype: str, config: Config, pdl: int = PDL_LATE, split_k: int = 1, tma: bool = False,
@@ -149,6 +151,15 @@ def cases():
             yield linear_case(f"linear{'-tma' * tma}-rope{'-half' * half}", dtype, config, HAS_BIAS=True, ACT="none",
                               HAS_RESIDUAL=False, HAS_SCALE=False, INPUT_PRECISION="ieee", tma=tma, ROPE=True,
                               ROPE_HALF=half, HEAD_DIM=64)
+        # Training's epilogues: fc1 keeps its pre-activation for the derivative; fc2 scales by LayerScale's gamma and
+        # each image's stochastic-depth factor (float32) before the residual.
+        for tma in (False, True) if dtype == "bf16" else ():
+            yield linear_case(f"linear{'-tma' * tma}-train-fc1", dtype, config, HAS_BIAS=True, ACT="gelu",
+                              HAS_RESIDUAL=False, HAS_SCALE=False, INPUT_PRECISION="ieee", tma=tma, PRE_OUT=True,
+                              col_scale_ptr=None, row_scale_ptr=None)
+            yield linear_case(f"linear{'-tma' * tma}-train-fc2", dtype, config, HAS_BIAS=True, ACT="none",
+                              HAS_RESIDUAL=True, HAS_SCALE=False, INPUT_PRECISION="ieee", tma=tma, HAS_COL_SCALE=True,
+                              HAS_ROW_SCALE=True, pre_ptr=None)
         if dtype == "bf16":   # the residual GEMMs' wide tile at large batch
             yield linear_case("linear-tma-wide-residual", dtype, WIDE_RESIDUAL, HAS_BIAS=True, ACT="none",
                               HAS_RESIDUAL=True, HAS_SCALE=False, INPUT_PRECISION="ieee", tma=True)
@@ -209,10 +220,11 @@ def cases():
         yield name, kernel, "u8", {"num_warps": 4}, dict(IMAGES=MIN_IMAGES, TILE_R=TILE[0], TILE_C=TILE[1]), None
 
 def linear_backward_case(name: str, dtype: str, dw: bool, split: int = 1, tma: bool = False, **flags):
-    """One of linear_backward's products with the first config of its path: dX = dz W (with fc1's activation's
+    """One of linear_backward's products with the first config of its path and dtype: dX = dz W (with fc1's activation's
     derivative and its recomputed output where flags say), or dW = dz^T x cut into `split` slices of rows (fp32
     partial sums) with LayerScale's d gamma; through pointers, or with tma the TMA kernel's descriptors."""
-    bm, bn, bk, warps, stages, _ = (BACKWARD if tma else PLAIN)[0]
+    configs = (FLOAT32 if tma else PLAIN_FLOAT32) if dtype == "tf32" else BACKWARD if tma else PLAIN
+    bm, bn, bk, warps, stages, _ = configs[0]
     act = flags.get("X_ACT", "none")
     if act == "swiglu":   # d x_pre's tile twice the product's width, as linear_backward halves it
         bn //= 2
@@ -281,7 +293,7 @@ def backward_cases():
 
 def main() -> None:
     for name, kernel, dtype, options, constexprs, types in itertools.chain(cases(), backward_cases()):
-        ptx = compile_kernel(kernel, dtype, options, constexprs, types)
+        ptx, shared = compile_kernel(kernel, dtype, options, constexprs, types)
         prologue, *_, after_wait = ptx.split("griddepcontrol.wait")
         first_trigger = after_wait.find("griddepcontrol.launch_dependents")
         first_load = min((i for i in (after_wait.find(op) for op in ("ld.global", "cp.async")) if i >= 0), default=-1)
@@ -291,7 +303,8 @@ def main() -> None:
               f"memory_before_wait={len(MEMORY_OP.findall(prologue))} "
               f"prefetch={ptx.count('prefetch.global.L2')},{prologue.count('prefetch.global.L2')} "
               f"trigger_before_loads={int(0 <= first_trigger < first_load)} "
-              f"sfu={ptx.count('ex2.approx')},{ptx.count('rcp.approx')},{ptx.count('tanh.approx')}", flush=True)
+              f"sfu={ptx.count('ex2.approx')},{ptx.count('rcp.approx')},{ptx.count('tanh.approx')} "
+              f"shared={shared}", flush=True)
 
 
 if __name__ == "__main__":

@@ -264,3 +264,24 @@ def test_families_are_checked_against_their_transformers_model(timm_name, hf_cla
     assert next(s for s in built if s.name == "timm").run.__class__ is type(module)
     check = harness.check_correctness(reference, ours, cfg, torch.float32, CPU, batch=2)
     assert check["ok"], check
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16"])
+def test_the_training_step_check_of_an_encoder_with_a_new_head(precision):
+    """bench --train on a SigLIP encoder (no classifier: timm's new head added, as a fine-tuning run adds one): the
+    first step's loss, head gradient and pixels' gradient of vit-triton within 1.5x timm's own error, both against
+    timm in float32."""
+    import timm
+
+    from vit_triton.bench import train
+
+    torch.manual_seed(0)
+    module = timm.create_model("vit_base_patch16_siglip_224", pretrained=False, img_size=28, patch_size=14,
+                               embed_dim=64, num_heads=2, depth=1, num_classes=0)
+    assert train.with_classifier(module) is module and module.head.out_features == 1000
+    reference, built = train.build_train_systems(module, precision, CPU, ("vit-triton",))
+    pixels = torch.randn(3, 3, 28, 28)
+    labels = torch.randint(0, 1000, (3,))
+    check = train.check_step(built["vit-triton"], reference, pixels if precision == "bf16-mixed" else
+                             pixels.bfloat16(), labels, precision == "bf16-mixed")
+    assert check["ok"], check

@@ -520,7 +520,9 @@ def test_a_device_this_machine_lacks_is_a_usage_error_naming_those_it_has(cuda_d
         embed_device(device, 0)
     assert embed_device("cpu", 0) == torch.device("cpu")
     if cuda_devices:
-        assert embed_device("cuda:1", 0) == torch.device("cuda", 1) and embed_device("cuda", 0).type == "cuda"
+        # "cuda" is the current device, by its index: torch.cuda.set_device refuses a device without one
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+        assert embed_device("cuda:1", 0) == embed_device("cuda", 0) == torch.device("cuda", 1)
 
 
 def test_the_model_spelled_otherwise_is_the_same(single, work, monkeypatch, capsys):

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.checkpoints import hf_model, image, save_hf, save_timm, timm_model, write_bad_files, write_shard
-from tests.numerics import DEVICE, rel_err
+from tests.numerics import DEVICE, FP32_TOL, rel_err
 from tests.scripts import load_script, run_script
 from vit_triton import from_pretrained
 from vit_triton.cli import main
@@ -412,3 +412,24 @@ def test_a_tiny_vit_learns_the_digits(tmp_path):
     assert status == 0, err
     last = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["val_top1"] >= 0.7, err
+
+
+@pytest.mark.slow
+def test_digits_vs_timm_trains_both_on_the_same_batches(tmp_path):
+    """scripts/digits_vs_timm.py, tiny and without stochastic depth: `vit-triton finetune` and timm's model run
+    through the same recipe from the same weights on the same batches, so their epochs' training and validation
+    losses agree to float32 precision; both runs' metrics, the summary and the plot are written."""
+    result = run_script("digits_vs_timm.py", str(tmp_path), "--per-class", "4", "--size", "8", "--epochs", "2",
+                        "--batch-size", "8", "--depth", "1", "--width", "32", "--drop-path", "0", "--device",
+                        DEVICE.type, "--precision", "fp32")
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = [[r for r in map(json.loads, (tmp_path / run / "metrics.jsonl").read_text().splitlines())
+             if r["kind"] == "epoch"] for run in ("vit-triton", "timm")]
+    assert [len(r) for r in runs] == [2, 2]
+    for ours, theirs in zip(*runs):
+        for key in ("train_loss", "val_loss"):
+            assert abs(ours[key] - theirs[key]) <= FP32_TOL * theirs[key], (key, ours, theirs)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["vit-triton"]["val_top1"] == [r["val_top1"] for r in runs[0]]
+    assert summary["timm"]["val_top1"] == [r["val_top1"] for r in runs[1]]
+    assert (tmp_path / "curves.png").stat().st_size > 0

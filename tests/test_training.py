@@ -5,6 +5,7 @@ activation checkpointing; frozen parameters; autocast; torch.compile of a whole 
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.numerics import DEVICE, assert_close, randomize_
 from vit_triton import kernels, ops
@@ -203,6 +204,38 @@ def test_torch_compile_traces_forward_and_backward_without_graph_breaks():
     # table's) in another order, so within float32's rounding rather than bit for bit.
     for name, p in model.named_parameters():
         assert_close(p.grad, eager[name].double(), torch.float32)
+
+
+class _OpNames(TorchDispatchMode):
+    """The names of the operators dispatched while it is on (the custom ops' too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func.name())
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("variant", ["cls-head-layer_scale", "eva02-swiglu-mlp_norm-rope-axial", "siglip-map"])
+def test_eager_training_skips_the_dispatcher_and_agrees_with_the_ops_bit_for_bit(variant, monkeypatch):
+    # Eager, the recorded calls run their autograd.Function and the backward kernels' functions; through the custom
+    # ops (what torch.compile traces) the same kernels give the same bits, outputs and gradients alike.
+    model = make(variant, torch.bfloat16)
+    pixels = torch.randn(2, 3, 24, 24, device=DEVICE)
+    weights = torch.randn(2, model.config.num_classes or model.config.embed_dim, device=DEVICE)
+    results = []
+    for via_ops in (False, True):
+        if via_ops:
+            monkeypatch.setattr(ops, "_apply", lambda op, *args: op(*args))
+        with _OpNames() as seen:
+            results.append((model(pixels), grads(model, pixels, weights)))
+        assert any(name.startswith("vit_triton::") for name in seen.names) == via_ops, sorted(seen.names)
+    (eager_out, eager), (op_out, via_op) = results
+    assert torch.equal(eager_out, op_out)
+    for name in eager:
+        assert torch.equal(eager[name], via_op[name]), name
 
 
 def test_inference_calls_skip_the_dispatcher(monkeypatch):

@@ -8,10 +8,13 @@ graph breaks on Triton's Python launcher), which it can place in a CUDA graph or
 
 A call goes straight to its launcher where nothing is traced or differentiated: inference pays no dispatcher
 (about 5-10 us a call, which an eager forward at small batch, 87 launches, would feel). It goes through the op
-when torch.compile traces it, when autograd must record it (grad mode on and an input that requires grad), or
+when torch.compile traces it. Where autograd must record it (grad mode on and an input that requires grad), or
 under torch.autocast, whose dtype the floating inputs are first cast to (bf16 activations, a bf16 copy of each
 fp32 weight, as autocast casts F.linear's inputs; the casts are differentiable, so fp32 master weights get fp32
-gradients). A frozen parameter (requires_grad False) gets no gradient, and its product costs no dW GEMM.
+gradients), an eager call goes through an autograd.Function over the op's own function, with the op's setup and
+backward, whose backward calls the backward ops' functions directly (_apply, _call): the same kernels without the
+dispatcher and the custom op's autograd wrapper, about a quarter of an eager training step's host time. A
+frozen parameter (requires_grad False) gets no gradient, and its product costs no dW GEMM.
 
 What each op saves for its backward is only what the backward cannot cheaply recompute: a linear's input (and,
 with an activation, its pre-activation), LayerNorm's mean and rstd, attention's output and log-sum-exp (the
@@ -40,7 +43,8 @@ def _recorded(*tensors: Tensor | None) -> bool:
 
 
 def _via_op(*tensors: Tensor | None) -> bool:
-    """Whether a call goes through the custom op: traced, recorded by autograd, or under autocast."""
+    """Whether a call goes through the custom op (or, eager, its autograd.Function: _apply): traced, recorded by
+    autograd, or under autocast."""
     return torch.compiler.is_compiling() or _recorded(*tensors) or _autocast_dtype(tensors[0]) is not None
 
 
@@ -55,6 +59,53 @@ def _cast(x: Tensor, *tensors: Tensor | None) -> list[Tensor | None]:
     if dtype is None:
         return list(tensors)
     return [t if t is None or t.dtype == dtype else t.to(dtype) for t in tensors]
+
+
+_IMPLS: dict = {}       # each custom op's Python function
+_FUNCTIONS: dict = {}   # each differentiable custom op's autograd.Function, for eager calls
+
+
+def _custom_op(name: str):
+    """torch.library.custom_op(name) (mutating nothing) as a decorator, the function kept for direct calls."""
+    def register(fn):
+        op = torch.library.custom_op(name, mutates_args=())(fn)
+        _IMPLS[op] = fn
+        return op
+    return register
+
+
+def _register_autograd(op, backward, setup) -> None:
+    """op's backward: registered with the custom op, which torch.compile traces, and as an autograd.Function over
+    op's function for eager calls (_apply), whose backward calls its kernels' functions directly (_call)."""
+    op.register_autograd(backward, setup_context=setup)
+    fn = _IMPLS[op]
+
+    def forward(ctx, *inputs):   # with a setup_context instead, each apply would bind defaults (inspect)
+        output = fn(*inputs)
+        setup(ctx, inputs, output)
+        ctx.eager = True
+        return output
+
+    _FUNCTIONS[op] = type(fn.__name__, (torch.autograd.Function,),
+                          {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+
+
+def _apply(op, *args):
+    """op(*args): through the custom op where torch.compile traces, else through its autograd.Function where
+    autograd records the call (as the op's autograd does), else its function (autocast alone): the same kernels,
+    without the dispatcher and the custom op's autograd wrapper."""
+    if torch.compiler.is_compiling():
+        return op(*args)
+    if _recorded(*(a for a in args if isinstance(a, Tensor))):
+        return _FUNCTIONS[op].apply(*args)
+    return _IMPLS[op](*args)
+
+
+def _call(ctx, op, *args):
+    """A backward's kernel op: its function in the backward of an eager call (_apply), else the op (traced)."""
+    if getattr(ctx, "eager", False) and not torch.compiler.is_compiling():
+        return _IMPLS[op](*args)
+    return op(*args)
 
 
 def _needs(ctx, inputs: int) -> tuple[bool, ...]:
@@ -79,7 +130,7 @@ def _out(t: Tensor | None, like: Tensor) -> Tensor:
 
 # ---------------------------------------------------------------------------------------------------- linear
 
-@torch.library.custom_op("vit_triton::linear", mutates_args=())
+@_custom_op("vit_triton::linear")
 def _linear(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str, residual: Tensor | None,
             scale: float, tf32_input: bool, tf32_output: bool, cos: Tensor | None = None, sin: Tensor | None = None,
             rope_half: bool = False, rope_prefix: int = 0, col_scale: Tensor | None = None,
@@ -110,8 +161,8 @@ def _linear_setup(ctx, inputs, output):
 def _linear_backward(ctx, dy):
     x, weight, bias, col_scale, row_scale, cos, sin = ctx.saved_tensors
     need = _needs(ctx, 14)
-    dx, dweight, dbias, dcol = _linear_grads(dy, x, weight, bias, "none", None, ctx.scale, col_scale, row_scale,
-                                             cos, sin, ctx.rope_half, ctx.rope_prefix, "none", None,
+    dx, dweight, dbias, dcol = _linear_grads(ctx, dy, x, weight, bias, "none", None, ctx.scale, col_scale,
+                                             row_scale, cos, sin, ctx.rope_half, ctx.rope_prefix, "none", None,
                                              [need[0], need[1], need[2], need[12]])
     dresidual = None
     if need[4]:
@@ -119,10 +170,10 @@ def _linear_backward(ctx, dy):
     return dx, dweight, dbias, None, dresidual, None, None, None, None, None, None, None, dcol, None
 
 
-_linear.register_autograd(_linear_backward, setup_context=_linear_setup)
+_register_autograd(_linear, _linear_backward, _linear_setup)
 
 
-@torch.library.custom_op("vit_triton::linear_pre", mutates_args=())
+@_custom_op("vit_triton::linear_pre")
 def _linear_pre(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str, tf32_input: bool,
                 tf32_output: bool) -> tuple[Tensor, Tensor]:
     pre = x.new_empty((x.shape[0], weight.shape[0]))
@@ -148,15 +199,15 @@ def _linear_pre_setup(ctx, inputs, output):
 def _linear_pre_backward(ctx, dy, _):
     x, weight, bias, pre = ctx.saved_tensors
     need = ctx.needs_input_grad
-    dx, dweight, dbias, _ = _linear_grads(dy, x, weight, bias, ctx.activation, pre, 1.0, None, None, None, None,
+    dx, dweight, dbias, _ = _linear_grads(ctx, dy, x, weight, bias, ctx.activation, pre, 1.0, None, None, None, None,
                                           False, 0, "none", None, [need[0], need[1], need[2], False])
     return dx, dweight, dbias, None, None, None
 
 
-_linear_pre.register_autograd(_linear_pre_backward, setup_context=_linear_pre_setup)
+_register_autograd(_linear_pre, _linear_pre_backward, _linear_pre_setup)
 
 
-@torch.library.custom_op("vit_triton::mlp", mutates_args=())
+@_custom_op("vit_triton::mlp")
 def _mlp(h: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None, activation: str,
          residual: Tensor | None, col_scale: Tensor | None, row_scale: Tensor | None,
          tf32_input: bool) -> tuple[Tensor, Tensor]:
@@ -185,19 +236,20 @@ def _mlp_backward(ctx, dy, _):
     need_fc1 = [need[0], need[1], need[2]]
     # fc2's dX product gives d pre directly (the activation's derivative in its epilogue), and fc2's input
     # act(pre), which the forward did not keep, for its dW product.
-    dpre, dw2, db2, dcol = _linear_grads(dy, None, w2, b2, "none", None, 1.0, col_scale, row_scale, None, None,
-                                         False, 0, ctx.activation, pre, [any(need_fc1), need[3], need[4], need[7]])
+    dpre, dw2, db2, dcol = _linear_grads(ctx, dy, None, w2, b2, "none", None, 1.0, col_scale, row_scale, None,
+                                         None, False, 0, ctx.activation, pre,
+                                         [any(need_fc1), need[3], need[4], need[7]])
     dh = dw1 = db1 = None
     if any(need_fc1):
-        dh, dw1, db1, _ = _linear_grads(dpre, h, w1, b1, "none", None, 1.0, None, None, None, None, False, 0, "none",
-                                        None, need_fc1 + [False])
+        dh, dw1, db1, _ = _linear_grads(ctx, dpre, h, w1, b1, "none", None, 1.0, None, None, None, None, False, 0,
+                                        "none", None, need_fc1 + [False])
     return dh, dw1, db1, dw2, db2, None, dy if need[6] else None, dcol, None, None
 
 
-_mlp.register_autograd(_mlp_backward, setup_context=_mlp_setup)
+_register_autograd(_mlp, _mlp_backward, _mlp_setup)
 
 
-@torch.library.custom_op("vit_triton::linear_backward", mutates_args=())
+@_custom_op("vit_triton::linear_backward")
 def _linear_backward_op(dy: Tensor, x: Tensor | None, weight: Tensor, bias: Tensor | None, activation: str,
                         pre: Tensor | None, scale: float, col_scale: Tensor | None, row_scale: Tensor | None,
                         cos: Tensor | None, sin: Tensor | None, rope_half: bool, rope_prefix: int,
@@ -222,14 +274,15 @@ def _(dy, x, weight, bias, activation, pre, scale, col_scale, row_scale, cos, si
             col_scale.new_empty(col_scale.shape) if need[3] and col_scale is not None else _empty(dy))
 
 
-def _linear_grads(dy, x, weight, bias, activation, pre, scale, col_scale, row_scale, cos, sin, rope_half,
+def _linear_grads(ctx, dy, x, weight, bias, activation, pre, scale, col_scale, row_scale, cos, sin, rope_half,
                   rope_prefix, x_activation, x_pre, need):
-    """(dx, dweight, dbias, dcol_scale) of kernels.linear_backward, None where not needed."""
+    """(dx, dweight, dbias, dcol_scale) of kernels.linear_backward in the backward of ctx, None where not
+    needed."""
     need = [need[0], need[1], need[2] and bias is not None, need[3] and col_scale is not None]
     if not any(need):
         return None, None, None, None
-    grads = _linear_backward_op(dy.contiguous(), x, weight, bias, activation, pre, scale, col_scale, row_scale, cos,
-                                sin, rope_half, rope_prefix, x_activation, x_pre, need)
+    grads = _call(ctx, _linear_backward_op, dy.contiguous(), x, weight, bias, activation, pre, scale, col_scale,
+                  row_scale, cos, sin, rope_half, rope_prefix, x_activation, x_pre, need)
     return tuple(g if n else None for g, n in zip(grads, need))
 
 
@@ -251,9 +304,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, activation:
         if residual is not None or scale != 1.0 or col_scale is not None or row_scale is not None or rope:
             raise ValueError("a linear layer with an activation that autograd records takes no residual, scale, "
                              "col_scale, row_scale or rope (ops.mlp fuses the MLP's)")
-        return _linear_pre(x, weight, bias, activation, tf32_input, tf32_output)[0]
-    return _linear(x, weight, bias, activation, residual, scale, tf32_input, tf32_output, cos, sin, rope_half,
-                   rope_prefix, col_scale, row_scale)
+        return _apply(_linear_pre, x, weight, bias, activation, tf32_input, tf32_output)[0]
+    return _apply(_linear, x, weight, bias, activation, residual, scale, tf32_input, tf32_output, cos, sin, rope_half,
+                  rope_prefix, col_scale, row_scale)
 
 
 def mlp(h: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None, *, activation: str,
@@ -267,10 +320,10 @@ def mlp(h: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None,
         return kernels.linear(post, w2, b2, residual=residual, tf32_input=True, col_scale=col_scale,
                               row_scale=row_scale)
     h, w1, b1, w2, b2, residual, col_scale = _cast(h, h, w1, b1, w2, b2, residual, col_scale)
-    return _mlp(h, w1, b1, w2, b2, activation, residual, col_scale, row_scale, tf32_input)[0]
+    return _apply(_mlp, h, w1, b1, w2, b2, activation, residual, col_scale, row_scale, tf32_input)[0]
 
 
-@torch.library.custom_op("vit_triton::linear_partials", mutates_args=())
+@_custom_op("vit_triton::linear_partials")
 def _linear_partials(x: Tensor, weight: Tensor, bias: Tensor | None, splits: int, tf32_input: bool) -> Tensor:
     return kernels.linear_partials(x, weight, bias, splits, tf32_input=tf32_input)
 
@@ -290,7 +343,7 @@ def linear_partials(x: Tensor, weight: Tensor, bias: Tensor | None, splits: int,
 
 # ------------------------------------------------------------------------------------------------ layer_norm
 
-@torch.library.custom_op("vit_triton::layer_norm", mutates_args=())
+@_custom_op("vit_triton::layer_norm")
 def _layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float, tf32_output: bool,
                 rms: bool = False, post_add: Tensor | None = None) -> tuple[Tensor, Tensor]:
     stats = torch.empty((2, x.shape[0]), device=x.device, dtype=torch.float32)
@@ -318,15 +371,16 @@ def _layer_norm_backward(ctx, dy, _):
     need = [need[0], need[1], need[2] and ctx.has_bias, need[6] and ctx.post_add_rows > 0]
     if not any(need):
         return None, None, None, None, None, None, None
-    grads = _layer_norm_backward_op(dy.contiguous(), x, weight, stats, ctx.rms, ctx.has_bias, ctx.post_add_rows, need)
+    grads = _call(ctx, _layer_norm_backward_op, dy.contiguous(), x, weight, stats, ctx.rms, ctx.has_bias,
+                  ctx.post_add_rows, need)
     dx, dweight, dbias, dpost = (g if n else None for g, n in zip(grads, need))
     return dx, dweight, dbias, None, None, None, dpost
 
 
-_layer_norm.register_autograd(_layer_norm_backward, setup_context=_layer_norm_setup)
+_register_autograd(_layer_norm, _layer_norm_backward, _layer_norm_setup)
 
 
-@torch.library.custom_op("vit_triton::layer_norm_backward", mutates_args=())
+@_custom_op("vit_triton::layer_norm_backward")
 def _layer_norm_backward_op(dy: Tensor, x: Tensor, weight: Tensor, stats: Tensor, rms: bool, has_bias: bool,
                             post_add_rows: int, need: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     grads = kernels.layer_norm_backward(dy, x, weight, stats, rms=rms, has_bias=has_bias,
@@ -348,10 +402,10 @@ def layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float, *, rm
     if not _via_op(x, weight, bias, post_add):
         return kernels.layer_norm(x, weight, bias, eps, rms=rms, tf32_output=tf32_output, post_add=post_add)
     x, weight, bias, post_add = _cast(x, x, weight, bias, post_add)
-    return _layer_norm(x, weight, bias, eps, tf32_output, rms, post_add)[0]
+    return _apply(_layer_norm, x, weight, bias, eps, tf32_output, rms, post_add)[0]
 
 
-@torch.library.custom_op("vit_triton::add_layer_norm", mutates_args=())
+@_custom_op("vit_triton::add_layer_norm")
 def _add_layer_norm(x: Tensor, parts: Tensor, weight: Tensor, bias: Tensor | None, eps: float,
                     tf32_output: bool, rms: bool = False) -> tuple[Tensor, Tensor]:
     return kernels.add_layer_norm(x, parts, weight, bias, eps, rms=rms, tf32_output=tf32_output)
@@ -380,7 +434,7 @@ def _split(qkv: Tensor, q: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     return q.expand(qkv.shape[0], -1, -1, -1), qkv[:, :, 0], qkv[:, :, 1]
 
 
-@torch.library.custom_op("vit_triton::attention", mutates_args=())
+@_custom_op("vit_triton::attention")
 def _attention(qkv: Tensor, q: Tensor | None, scale: float | None, tf32_input: bool,
                tf32_output: bool) -> tuple[Tensor, Tensor]:
     q, k, v = _split(qkv, q)
@@ -408,14 +462,14 @@ def _attention_backward(ctx, do, _):
     qkv, q, o, lse = ctx.saved_tensors
     if do is None:
         return None, None, None, None, None
-    dqkv, dq = _attention_backward_op(qkv, q, o, lse, do.contiguous(), ctx.scale)
+    dqkv, dq = _call(ctx, _attention_backward_op, qkv, q, o, lse, do.contiguous(), ctx.scale)
     return dqkv, _none(dq), None, None, None
 
 
-_attention.register_autograd(_attention_backward, setup_context=_attention_setup)
+_register_autograd(_attention, _attention_backward, _attention_setup)
 
 
-@torch.library.custom_op("vit_triton::attention_backward", mutates_args=())
+@_custom_op("vit_triton::attention_backward")
 def _attention_backward_op(qkv: Tensor, q: Tensor | None, o: Tensor, lse: Tensor, do: Tensor,
                            scale: float | None) -> tuple[Tensor, Tensor]:
     dqkv = torch.empty_like(qkv)
@@ -442,12 +496,12 @@ def attention(qkv: Tensor, q: Tensor | None = None, *, scale: float | None = Non
     if not _via_op(qkv, q):
         return kernels.fused_attention(*_split(qkv, q), scale=scale, tf32_input=tf32_input, tf32_output=tf32_output)
     qkv, q = _cast(qkv, qkv, q)
-    return _attention(qkv, q, scale, tf32_input, tf32_output)[0]
+    return _apply(_attention, qkv, q, scale, tf32_input, tf32_output)[0]
 
 
 # ------------------------------------------------------------------------------------ patch_embed, token_mean
 
-@torch.library.custom_op("vit_triton::patch_embed", mutates_args=())
+@_custom_op("vit_triton::patch_embed")
 def _patch_embed(pixels: Tensor, weight: Tensor, bias: Tensor | None, pos_embed: Tensor | None,
                  prefix_tokens: Tensor | None) -> Tensor:
     return kernels.patch_embed(pixels, weight, bias, pos_embed, prefix_tokens)
@@ -475,15 +529,15 @@ def _patch_embed_backward(ctx, dtokens):
     need = [n[0], n[1], n[2] and ctx.has_bias, n[3] and ctx.pos_rows > 0, n[4] and ctx.num_prefix > 0]
     if not any(need):
         return None, None, None, None, None
-    grads = _patch_embed_backward_op(dtokens.contiguous(), pixels, weight, ctx.num_prefix, ctx.has_bias,
-                                     ctx.pos_rows, need)
+    grads = _call(ctx, _patch_embed_backward_op, dtokens.contiguous(), pixels, weight, ctx.num_prefix, ctx.has_bias,
+                  ctx.pos_rows, need)
     return tuple(g if k else None for g, k in zip(grads, need))
 
 
-_patch_embed.register_autograd(_patch_embed_backward, setup_context=_patch_embed_setup)
+_register_autograd(_patch_embed, _patch_embed_backward, _patch_embed_setup)
 
 
-@torch.library.custom_op("vit_triton::patch_embed_backward", mutates_args=())
+@_custom_op("vit_triton::patch_embed_backward")
 def _patch_embed_backward_op(dtokens: Tensor, pixels: Tensor, weight: Tensor, num_prefix: int, has_bias: bool,
                              pos_rows: int, need: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     grads = kernels.patch_embed_backward(dtokens, pixels, weight, num_prefix=num_prefix, has_bias=has_bias,
@@ -508,10 +562,10 @@ def patch_embed(pixels: Tensor, weight: Tensor, bias: Tensor | None = None, pos_
     weight, bias, pos_embed, prefix_tokens = _cast(weight, weight, bias, pos_embed, prefix_tokens)
     if pixels.dtype != torch.float32:
         pixels = pixels.to(weight.dtype)
-    return _patch_embed(pixels, weight, bias, pos_embed, prefix_tokens)
+    return _apply(_patch_embed, pixels, weight, bias, pos_embed, prefix_tokens)
 
 
-@torch.library.custom_op("vit_triton::token_mean", mutates_args=())
+@_custom_op("vit_triton::token_mean")
 def _token_mean(x: Tensor, start: int) -> Tensor:
     return kernels.token_mean(x, start)
 
@@ -527,13 +581,13 @@ def _token_mean_setup(ctx, inputs, output):
 
 
 def _token_mean_backward(ctx, dy):
-    return _token_mean_backward_op(dy.contiguous(), ctx.tokens, ctx.start), None
+    return _call(ctx, _token_mean_backward_op, dy.contiguous(), ctx.tokens, ctx.start), None
 
 
-_token_mean.register_autograd(_token_mean_backward, setup_context=_token_mean_setup)
+_register_autograd(_token_mean, _token_mean_backward, _token_mean_setup)
 
 
-@torch.library.custom_op("vit_triton::token_mean_backward", mutates_args=())
+@_custom_op("vit_triton::token_mean_backward")
 def _token_mean_backward_op(dy: Tensor, tokens: int, start: int) -> Tensor:
     return kernels.token_mean_backward(dy, tokens, start)
 
@@ -547,7 +601,7 @@ def token_mean(x: Tensor, start: int = 0) -> Tensor:
     """kernels.token_mean: mean of x [B, T, D] over tokens start..T-1."""
     if not _via_op(x):
         return kernels.token_mean(x, start)
-    return _token_mean(_cast(x, x)[0], start)
+    return _apply(_token_mean, _cast(x, x)[0], start)
 
 
 # -------------------------------------------------------------------------------------------- the residual stream

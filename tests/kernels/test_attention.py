@@ -255,13 +255,13 @@ def backward(q, k, v, do, scale=None, **grads):
     return attention_backward(q, k, v, o, lse, do, scale=scale, **grads)
 
 
-def check_gradients(grads, q, k, v, do, scale=None, torch_fn=None):
+def check_gradients(grads, q, k, v, do, scale=None, torch_fn=None, ill_conditioned=False):
     """grads (dq, dk, dv) against the float64 reference; q as the reference takes it (batch 1 if expanded).
     Returns the reference."""
     fn = torch_gradients(scale)
     refs, torch_grads = reference(fn, q, k, v, do), (torch_fn or fn)(q, k, v, do)
     for ours, ref, theirs in zip(grads, refs, torch_grads):
-        assert_close(ours, ref, ours.dtype, theirs)
+        assert_close(ours, ref, ours.dtype, theirs, ill_conditioned)
     return refs
 
 
@@ -327,10 +327,12 @@ def test_pool_gradients(batch, queries, tokens, heads, head_dim, dtype, expanded
 def test_gradients_of_very_negative_scores(dtype):
     # Every score of a row near -100: lse < -88, so exp(0 - lse) overflows float32. A key past T_K (37 keys: the
     # last 5 in a masked block) that loads as zeros must still get P = 0, else dS is inf there and dS K NaN.
+    # Ill-conditioned: float32's spacing near 100 is 1e-5 of P's exponent, and PyTorch's own float32 gradients are
+    # 0.5-1.3e-5 off float64 here (ours on an H200: 1.33e-5).
     q = rand(2, 37, 2, 64, dtype=dtype, shift=-13.0)
     k, v = rand(2, 37, 2, 2, 64, dtype=dtype, scale=0.3, shift=1.0).unbind(2)
     do = output_gradient(2, 37, 2, 64, dtype, strided=False)
-    check_gradients(backward(q, k, v, do), q, k, v, do)
+    check_gradients(backward(q, k, v, do), q, k, v, do, ill_conditioned=True)
 
 
 @each_dtype

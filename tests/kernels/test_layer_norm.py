@@ -185,12 +185,14 @@ def forward_with_stats(x, w, b, eps, rms, post_add=None):
 @each_dtype
 @NORMS
 def test_stats(dtype, rms, bias):
-    # The output is the one without stats, bit for bit; the stats are the row's mean (0 for RMSNorm) and
-    # 1 / sqrt(var + eps) (or of mean(x^2) + eps), in float32 whatever x's dtype.
+    # The output obeys the rule as the one without stats does (not bit for bit: the two builds may contract the sum
+    # of squares into FMAs in another order; on an H200 LayerNorm without bias differed in the last bit of half its
+    # outputs); the stats are the row's mean (0 for RMSNorm) and 1 / sqrt(var + eps) (or of mean(x^2) + eps), in
+    # float32 whatever x's dtype.
     x, w, b = inputs(37, 769, dtype, row_stride=777)
     b = b if bias else None
     y, stats = forward_with_stats(x, w, b, 1e-5, rms)
-    torch.testing.assert_close(y, layer_norm(x, w, b, 1e-5, rms=rms), rtol=0, atol=0)
+    check(y, (torch_rms_norm if rms else torch_layer_norm)(1e-5), x, w, b)
     x64 = x.double().cpu()
     mean = torch.zeros_like(x64[:, 0]) if rms else x64.mean(1)
     rstd = ((x64 - mean[:, None]).square().mean(1) + 1e-5).rsqrt()

@@ -13,6 +13,7 @@ from functools import partial
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 
 from tests.kernels.checks import (
     TF32_WEIGHT_PATHS, assert_like_torch, assert_written_in_place, check, each_dtype, empty, inference, nan_filled, rand,
@@ -784,8 +785,9 @@ def test_dweight_product_split_over_rows(dtype, kernel, backward_launches, ran, 
                          ids=["tma-bfloat16", "tma-float32", "plain-float16", "plain-float32"])
 def test_every_backward_candidate_config(kernel, dtype, monkeypatch, ran):
     # Each launch config a GPU's tuner may pick for the backward products, alone, at a shape none of its tiles
-    # divides, with every epilogue at work: d x_pre and x recomputed (dX), gamma, dbias and d gamma (dW). On a GPU:
-    # each compiles, and fits in shared memory.
+    # divides, with every epilogue at work: d x_pre and x recomputed (dX), gamma, dbias and d gamma (dW). On a GPU
+    # each compiles; one too large for shared memory with these epilogues is skipped, as the tuner skips it, but
+    # never the first (a CUDA-graph capture takes it unseen).
     m, n, k = 133, 72, 56
     x_pre = laid_out(rand(m, k, dtype=dtype), kernel)
     _, w, b, dy = backward_inputs(m, n, k, dtype, kernel)
@@ -794,10 +796,14 @@ def test_every_backward_candidate_config(kernel, dtype, monkeypatch, ran):
         configs = PLAIN_FLOAT32 if dtype == torch.float32 else PLAIN
     else:
         configs = FLOAT32 if dtype == torch.float32 else BACKWARD
-    for config in configs:
+    for i, config in enumerate(configs):
         monkeypatch.setattr(LINEAR, "_backward_candidates", lambda tma, element, config=config: [config])
-        grads = linear_backward(dy, None, w, bias=b, col_scale=gamma, x_activation="gelu", x_pre=x_pre,
-                                need_col_scale=True)
+        try:
+            grads = linear_backward(dy, None, w, bias=b, col_scale=gamma, x_activation="gelu", x_pre=x_pre,
+                                    need_col_scale=True)
+        except triton.runtime.errors.OutOfResources:
+            assert i > 0, f"{config}, the first candidate, does not fit in shared memory"
+            continue
         check_gradients(dict(zip(("x", "w", "b", "gamma"), grads)), composed(x_act="gelu"), dy, x=x_pre, w=w, b=b,
                         gamma=gamma)
     assert set(ran) == {BACKWARD_NAMES[kernel]}

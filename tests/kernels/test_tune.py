@@ -16,6 +16,8 @@ from tests.kernels.checks import check, rand
 from vit_triton.kernels import linear
 from vit_triton.kernels.tuning import Config, Tuner, size_bucket
 
+pytestmark = pytest.mark.tuning
+
 LINEAR = importlib.import_module("vit_triton.kernels.linear")   # the module; the package exports the function
 
 CONFIGS = [Config(64, 64, 64, 4, 3), Config(128, 128, 64, 8, 4), Config(64, 32, 128, 4, 4, 0)]

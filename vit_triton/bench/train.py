@@ -86,6 +86,14 @@ class _Replay:
         return self.loss
 
 
+def with_classifier(timm_module: torch.nn.Module, classes: int = 1000) -> torch.nn.Module:
+    """timm_module itself, given timm's new classifier of `classes` where it has none (an encoder: SigLIP's,
+    DINOv2's), as a fine-tuning run adds one: the step's loss and the checks need logits."""
+    if not timm_module.num_classes:
+        timm_module.reset_classifier(classes)
+    return timm_module
+
+
 def build_train_systems(timm_module: torch.nn.Module, precision: str, device: torch.device,
                         names: Sequence[str] = TRAIN_SYSTEMS) -> tuple[torch.nn.Module, dict[str, torch.nn.Module]]:
     """(timm's model, the reference of the checks, and {system: model}), in train mode, all with timm_module's
@@ -140,12 +148,12 @@ def run_train_bench(model_name: str, timm_module: torch.nn.Module, batch_sizes: 
                     precisions: Sequence[str], device: torch.device, out_dir: Path | None = None,
                     systems: Sequence[str] = TRAIN_SYSTEMS, timer: Timer = do_bench_median,
                     log: Callable[[str], None] = print, attention_shapes=ATTENTION_SHAPES) -> dict:
-    """Time a training step of every system at every batch size and precision; then the attention backward.
-    Writes bench.json (after each row) and a plot."""
+    """Time a training step of every system at every batch size and precision (a model without a classifier given
+    one, with_classifier); then the attention backward. Writes bench.json (after each row) and a plot."""
     from ..loaders import timm_config_to_vit
 
-    cfg = timm_config_to_vit(timm_module)
-    classes = cfg.num_classes or 1000
+    cfg = timm_config_to_vit(with_classifier(timm_module))
+    classes = cfg.num_classes
     result = dict(model=model_name, config=cfg.to_dict(), mode="train", environment=environment(device), rows=[],
                   train_flops_per_image=3 * model_flops(cfg), attention=[])
     result["ceilings"] = measure_ceilings(torch.bfloat16, device, timer)

@@ -51,8 +51,8 @@ import triton
 import triton.language as tl
 
 from .common import (
-    INTERPRET, LOG2E, cast, check_device, check_dtype, check_float, check_shape, exp2, input_precision, mma,
-    sm_count, pdl, start_next_kernel, to_tf32, tune, wait_for_previous_kernel,
+    INTERPRET, LOG2E, cast, cdiv, check_device, check_dtype, check_float, check_shape, exp2, input_precision, mma,
+    next_power_of_2, sm_count, pdl, start_next_kernel, to_tf32, tune, wait_for_previous_kernel,
 )
 from .tuning import Config, Tuner, size_bucket
 
@@ -233,11 +233,11 @@ def fused_attention(
 
     flags = dict(HEAD_DIM=Dh, BLOCK_D=block_d(Dh), INPUT_PRECISION=precision,
                  QKV_TF32=precision == "tf32" and tf32_input, O_TF32=precision == "tf32" and tf32_output,
-                 STORE_LSE=lse is not None, **pdl(q.device, B * H * triton.cdiv(Tq, SMALLEST_BLOCK_M)))
+                 STORE_LSE=lse is not None, **pdl(q.device, B * H * cdiv(Tq, SMALLEST_BLOCK_M)))
 
     def launch(config: Config, keys: tuple[int, int, int] = (0, 0, 0)) -> None:
         # One axis of programs, which allows 2^31 - 1 (axis 1 allows 65535).
-        _attention_kernel[(B * H * triton.cdiv(Tq, config.block_m),)](
+        _attention_kernel[(B * H * cdiv(Tq, config.block_m),)](
             q, k, v, out, lse,
             Tk, H, Tq, scale * LOG2E,
             q.stride(0), q.stride(1), q.stride(2),
@@ -249,7 +249,7 @@ def fused_attention(
         )
 
     # A short launch over at most ONE_PASS_MAX_T keys takes the one-pass path untuned.
-    if Tk <= ONE_PASS_MAX_T and B * H * triton.cdiv(Tq, ONE_PASS_BLOCK_M) <= ONE_PASS_WAVES * sm_count(q.device):
+    if Tk <= ONE_PASS_MAX_T and B * H * cdiv(Tq, ONE_PASS_BLOCK_M) <= ONE_PASS_WAVES * sm_count(q.device):
         launch(ONE_PASS, key_pieces(Tk))
     else:
         key = (*tuning_sizes(B, H, Tq, Tk), Dh, precision, flags["QKV_TF32"], flags["O_TF32"])
@@ -458,7 +458,7 @@ def attention_backward(
     dq_images = torch.empty((B, Tq, H, Dh), device=q.device, dtype=torch.float32) if summed else dq
 
     delta = torch.empty((B, H, Tq), device=q.device, dtype=torch.float32)
-    delta_programs = B * H * triton.cdiv(Tq, DELTA_BLOCK_M)
+    delta_programs = B * H * cdiv(Tq, DELTA_BLOCK_M)
     _delta_kernel[(delta_programs,)](
         o, do, delta, Tq, H, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
         HEAD_DIM=Dh, BLOCK_D=block_d(Dh), BLOCK_M=DELTA_BLOCK_M, num_warps=4, **pdl(q.device, delta_programs),
@@ -487,7 +487,7 @@ def attention_backward(
 def backward_programs(T: int, block_m: int) -> int:
     """The backward's programs a head over T rows (keys for dK/dV, queries for dQ): one per block_m, then one
     per TAIL_N of the last T % block_m."""
-    return T // block_m + triton.cdiv(T % block_m, TAIL_N.value)
+    return T // block_m + cdiv(T % block_m, TAIL_N.value)
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **like_q: torch.Tensor | None
@@ -536,20 +536,20 @@ def check_scale(scale: float | None, head_dim: int) -> float:
 
 def block_d(head_dim: int) -> int:
     """The head dim padded in registers: a power of two, at least 16 (a tensor-core product's k)."""
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, next_power_of_2(head_dim))
 
 
 def tuning_sizes(B: int, H: int, Tq: int, Tk: int) -> tuple[int, int, int]:
     """The sizes in the streaming kernel's tuning key: B*H's power of two, and the query and key lengths in
     size_bucket (nearby lengths share one pick). The best tile depends on how many programs fill the GPU (one
     image: 64-row tiles, every SM busy; 256 images: 128-row tiles, at 0.75x the time of 64-row ones)."""
-    return triton.next_power_of_2(B * H), size_bucket(Tq), size_bucket(Tk)
+    return next_power_of_2(B * H), size_bucket(Tq), size_bucket(Tk)
 
 
 def key_pieces(T: int) -> tuple[int, int, int]:
     """T keys rounded up to 16 as at most three powers of two, largest first, 0 for an absent piece
     (197 -> 208 = 128 + 64 + 16); a fourth binary digit and below round up into the third piece."""
-    bits = [1 << i for i in reversed(range(ONE_PASS_MAX_T.bit_length())) if triton.cdiv(T, 16) * 16 & 1 << i]
+    bits = [1 << i for i in reversed(range(ONE_PASS_MAX_T.bit_length())) if cdiv(T, 16) * 16 & 1 << i]
     if len(bits) > 3:
-        bits = bits[:2] + [triton.next_power_of_2(sum(bits[2:]))]
+        bits = bits[:2] + [next_power_of_2(sum(bits[2:]))]
     return tuple(bits + [0] * (3 - len(bits)))

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import check_image_batch, pdl, start_next_kernel, wait_for_previous_kernel
+from .common import check_image_batch, next_power_of_2, pdl, start_next_kernel, wait_for_previous_kernel
 
 TABLE_COLUMNS = ("offset", "height", "width", "block rows", "block columns")
 TILE = (4, 64)   # a program's chroma blocks, rows x columns: 8 x 128 pixels in 4:2:0, 4 x 128 in 4:2:2
@@ -210,7 +210,7 @@ def fancy_upsample(pixels: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
                                 torch.cumsum(tiles, 0) - tiles]).to(device)
     codes = torch.empty(int(blocks.sum()), dtype=torch.int32, device=device)
     grid = (int(tiles.sum()),)
-    launch = dict(IMAGES=max(MIN_IMAGES, triton.next_power_of_2(len(table))), TILE_R=TILE[0], TILE_C=TILE[1],
+    launch = dict(IMAGES=max(MIN_IMAGES, next_power_of_2(len(table))), TILE_R=TILE[0], TILE_C=TILE[1],
                   num_warps=4, **pdl(device, grid[0]))
     _codes_kernel[grid](pixels, device_table, codes, counts, len(table), **launch)
     _upsample_kernel[grid](pixels, device_table, codes, len(table), **launch)

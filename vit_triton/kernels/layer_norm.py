@@ -32,8 +32,8 @@ import triton
 import triton.language as tl
 
 from .common import (
-    cast, check_device, check_dtype, check_float, check_shape, input_precision, pdl, sm_count, start_next_kernel,
-    to_tf32, wait_for_previous_kernel,
+    cast, cdiv, check_device, check_dtype, check_float, check_shape, input_precision, next_power_of_2, pdl, sm_count,
+    start_next_kernel, to_tf32, wait_for_previous_kernel,
 )
 
 
@@ -258,17 +258,17 @@ def layer_norm_backward(
         dx = torch.empty((M, D), device=x.device, dtype=x.dtype)
     if not (need_dx or need_dweight or need_dbias or post_add_rows):
         return None, None, None, None
-    block_d = triton.next_power_of_2(D)
+    block_d = next_power_of_2(D)
     # As the forward: about 2K elements a row block. The groups of rows (the kernel's R) are the post_add table's
     # when there is one; else a group is as many row blocks as there are programs, so that each program walks the
     # rows with a stride of the launch's width and all get the same number of row blocks, give or take one.
-    block_m = max(1, min(2048 // block_d, triton.next_power_of_2(post_add_rows or M)))
+    block_m = max(1, min(2048 // block_d, next_power_of_2(post_add_rows or M)))
     most = 4 * sm_count(x.device)   # programs: enough loads in flight to stream dy and x at full bandwidth
     if post_add_rows:
-        row_blocks = triton.cdiv(post_add_rows, block_m)
+        row_blocks = cdiv(post_add_rows, block_m)
         splits = max(1, min(M // post_add_rows, most // row_blocks))
     else:
-        row_blocks, splits = min(triton.cdiv(M, block_m), most), 1
+        row_blocks, splits = min(cdiv(M, block_m), most), 1
     period = post_add_rows or row_blocks * block_m
     programs = row_blocks * splits
     dw_parts = torch.empty((programs, D), device=x.device, dtype=torch.float32) if need_dweight else None
@@ -314,16 +314,16 @@ def _check_stats(stats: torch.Tensor, M: int) -> None:
 def _launch(x, weight, bias, out, eps: float, rms: bool, parts: torch.Tensor | None, total: torch.Tensor | None,
             tf32_output: bool, post_add: torch.Tensor | None = None, stats: torch.Tensor | None = None) -> None:
     M, D = x.shape
-    block_d = triton.next_power_of_2(D)
+    block_d = next_power_of_2(D)
     # About 2K elements a program: several rows when D is small, two at ViT-B's 768 (one image's 197 rows
     # then spread over 99 programs, not 50: 1.03x the forward at 1-2 images).
-    block_m = max(1, min(2048 // block_d, triton.next_power_of_2(M)))
+    block_m = max(1, min(2048 // block_d, next_power_of_2(M)))
     num_warps = min(16, max(1, block_m * block_d // 512))
-    _layer_norm_kernel[(triton.cdiv(M, block_m),)](
+    _layer_norm_kernel[(cdiv(M, block_m),)](
         x, weight.contiguous(), None if bias is None else bias.contiguous(), out, parts, total,
         None if post_add is None else post_add.contiguous(), 1 if post_add is None else post_add.shape[0], stats,
         M, D, x.stride(0), out.stride(0), eps, int(tf32_output and input_precision(x.dtype, None) == "tf32"),
         HAS_BIAS=bias is not None, RMS=rms, HAS_ADD=post_add is not None, HAS_STATS=stats is not None,
         NUM_PARTS=0 if parts is None else parts.shape[0],
-        BLOCK_M=block_m, BLOCK_D=block_d, num_warps=num_warps, **pdl(x.device, triton.cdiv(M, block_m)),
+        BLOCK_M=block_m, BLOCK_D=block_d, num_warps=num_warps, **pdl(x.device, cdiv(M, block_m)),
     )

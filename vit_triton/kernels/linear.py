@@ -90,7 +90,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .activation import ACTIVATIONS, activation_grad, apply_activation, gelu_fit_degree
 from .common import (
-    INTERPRET, cast, check_device, check_dtype, check_float, check_shape, input_precision, mma, sm_count, pdl,
+    INTERPRET, cast, cdiv, check_device, check_dtype, check_float, check_shape, input_precision, mma, sm_count, pdl,
     PDL_OFF, prefetch_l2, start_next_kernel, tma_ready, to_tf32, wait_for_previous_kernel,
 )
 from .tuning import Config, Tuner, size_bucket
@@ -357,13 +357,16 @@ def _linear_tma_kernel(
 # pointers, still some shapes' pick since.
 WIDE_RESIDUAL = Config(128, 256, 32, 8, 4)
 # The TMA kernel's candidates by dtype and row count, from sweeps on an H100 and an H200 at ViT-S/B/L shapes
-# (scripts/sweep_kernels.py). Each list is short: every candidate of a new shape is compiled and timed once.
+# (scripts/sweep_kernels.py). Each list is short: every candidate of a new shape is compiled and timed once. A list's
+# first config is what a tuner takes unseen inside a CUDA-graph capture: it fits every epilogue in an H100's 227 KB
+# of shared memory (192 KB at most), where the 128 x 256 and 256 x 128 tiles in 3 stages need 240 KB with training's
+# pre-activation and 272 KB with the rotation (the tuner skips them there).
 LARGE_M = [
-    Config(128, 256, 64, 8, 3), Config(128, 128, 64, 8, 5), Config(128, 128, 64, 4, 4),
-    Config(128, 128, 128, 8, 3), Config(256, 128, 64, 8, 3), Config(128, 128, 64, 8, 4), WIDE_RESIDUAL,
+    Config(128, 128, 64, 8, 4), Config(128, 256, 64, 8, 3), Config(128, 128, 64, 8, 5), Config(128, 128, 64, 4, 4),
+    Config(128, 128, 128, 8, 3), Config(256, 128, 64, 8, 3), WIDE_RESIDUAL,
 ]
 SMALL_M = [   # a few thousand rows (ViT-B/16, 8 images): 128-row tiles, about one wave
-    Config(128, 256, 64, 8, 3), Config(128, 128, 64, 8, 4), Config(128, 128, 64, 4, 4),
+    Config(128, 128, 64, 8, 4), Config(128, 256, 64, 8, 3), Config(128, 128, 64, 4, 4),
     Config(128, 128, 64, 4, 4, 0), Config(64, 256, 64, 4, 4),
 ]
 TINY_M = [    # one or two images: 64-row tiles, narrow enough to give most SMs a tile
@@ -400,7 +403,7 @@ def split_k(M: int, N: int, K: int, device: torch.device) -> int:
     SPLIT_MAX_TILES tiles an SM (one wave or less, leaving SMs idle or each with one long K loop), the
     largest count up to MAX_SPLITS with at most SPLIT_PROGRAMS programs an SM and slices at least
     SPLIT_MIN_DEPTH deep; else 1 (no split). ViT-B/16 at one image: fc2 in 4 slices, proj in 2."""
-    tiles = triton.cdiv(M, SPLIT_TILE) * triton.cdiv(N, SPLIT_TILE)
+    tiles = cdiv(M, SPLIT_TILE) * cdiv(N, SPLIT_TILE)
     sms = sm_count(device)
     if tiles > SPLIT_MAX_TILES * sms:
         return 1
@@ -420,8 +423,8 @@ def whole_wave_rows(M: int, N: int, config: Config, device: torch.device) -> int
     150 tiles of 128 x 128 on 132 SMs, so 2816 rows in one wave, then 336 rows in smaller tiles
     instead of 18 tiles on 18 SMs."""
     slots = sm_count(device) * max(config.persistent, 1)
-    num_n = triton.cdiv(N, config.block_n)
-    waves, last = divmod(triton.cdiv(M, config.block_m) * num_n, slots)
+    num_n = cdiv(N, config.block_n)
+    waves, last = divmod(cdiv(M, config.block_m) * num_n, slots)
     rows = waves * slots // num_n * config.block_m
     idle = (slots - last) / ((waves + 1) * slots)
     return rows if 0 < last <= WAVE_SPLIT_FILL * slots and idle >= WAVE_SPLIT_IDLE and 0 < rows < M else M
@@ -685,7 +688,7 @@ def launch_linear(config: Config, x, weight, bias, residual, out, scale: float, 
     M, K = x.shape
     N = weight.shape[0]
     bm, bn, bk, warps, stages, persistent = config
-    tiles, splits = triton.cdiv(M, bm) * triton.cdiv(N, bn), flags["SPLIT_K"]
+    tiles, splits = cdiv(M, bm) * cdiv(N, bn), flags["SPLIT_K"]
     launch_pdl = pdl(x.device, tiles * splits)
     tile = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
     if not tma:
@@ -932,10 +935,10 @@ def column_sums(a: torch.Tensor) -> torch.Tensor:
     rows, then one sum over the runs (in their order: the same bits every run)."""
     M, N = a.shape
     bm, bn = COLUMN_TILE
-    columns = triton.cdiv(N, bn)
-    runs = max(1, min(triton.cdiv(M, bm), 4 * sm_count(a.device) // columns))
-    rows = triton.cdiv(triton.cdiv(M, runs), bm) * bm
-    runs = triton.cdiv(M, rows)
+    columns = cdiv(N, bn)
+    runs = max(1, min(cdiv(M, bm), 4 * sm_count(a.device) // columns))
+    rows = cdiv(cdiv(M, runs), bm) * bm
+    runs = cdiv(M, rows)
     parts = torch.empty((runs, N), device=a.device, dtype=torch.float32)
     _column_sums_kernel[(runs, columns)](a, parts, M, N, a.stride(0), ROWS=rows, BLOCK_M=bm, BLOCK_N=bn,
                                          num_warps=4, **pdl(a.device, runs * columns))
@@ -947,8 +950,10 @@ def column_sums(a: torch.Tensor) -> torch.Tensor:
 GRAD_TILE = (32, 128)   # _grad_kernel's BLOCK_M, BLOCK_N: elementwise, a 16 KB bf16 tile of dy a program
 SUM_BLOCK = 1024
 # The backward products' TMA candidates, for the dX product's [M, K] and the dW product's [N, K] (a few row tiles,
-# split along M below): the forward's large-M tiles, until a GPU sweep says otherwise.
-BACKWARD = [Config(128, 256, 64, 8, 3), Config(128, 128, 64, 8, 4), Config(128, 128, 64, 4, 4),
+# split along M below): the forward's large-M tiles, until a GPU sweep says otherwise. The first fits every epilogue
+# (192 KB at most); the 128 x 256 and 256 x 128 tiles do not with GELU's derivative (240 KB) or split dW's partial
+# sums (272 KB).
+BACKWARD = [Config(128, 128, 64, 8, 4), Config(128, 256, 64, 8, 3), Config(128, 128, 64, 4, 4),
             Config(256, 128, 64, 8, 3)]
 
 
@@ -971,7 +976,7 @@ def dweight_splits(N: int, K: int, M: int, config: Config, device: torch.device)
     """How many slices of its M rows the dW product dz^T x [N, K] is cut into with this config: the most, up to
     DW_MAX_SPLITS, that keep its tiles times slices within one program an SM, each slice at least DW_SPLIT_MIN_ROWS
     deep; 1 for a product of at least as many tiles as SMs."""
-    tiles = triton.cdiv(N, config.block_m) * triton.cdiv(K, config.block_n)
+    tiles = cdiv(N, config.block_m) * cdiv(K, config.block_n)
     return max(1, min(sm_count(device) // tiles, DW_MAX_SPLITS, M // DW_SPLIT_MIN_ROWS))
 
 
@@ -1126,7 +1131,7 @@ def _output_grad(dy, pre, row_scale, scale: float, activation: str, rope: Rope, 
     block_m, block_n = GRAD_TILE
     if rope.cos is not None:   # whole heads in a tile for pairs a half apart
         block_n = max(block_n, rope.cos.shape[-1])
-    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+    grid = (cdiv(M, block_m), cdiv(N, block_n))
     _grad_kernel[grid](
         dy, pre, row_scale, dz, M, N, dy.stride(0), 0 if pre is None else pre.stride(0), dz.stride(0), scale, *rope,
         ACT=activation, HAS_ROW_SCALE=row_scale is not None, HAS_SCALE=scale != 1.0, ROPE=rope.cos is not None,
@@ -1165,7 +1170,7 @@ def launch_linear_backward(config: Config, dz, b, out, flags: dict, epilogue: _E
     dw = flags["DW"]
     P, Q, R = (N, 1 if b is None else b.shape[1], M) if dw else (M, b.shape[1], N)
     bm, bn, bk, warps, stages, persistent = config
-    tiles = triton.cdiv(P, bm) * triton.cdiv(Q, bn)
+    tiles = cdiv(P, bm) * cdiv(Q, bn)
     splits = dweight_splits(P, Q, R, config, dz.device) if dw else 1
 
     def partial(*shape: int) -> torch.Tensor:
@@ -1174,7 +1179,7 @@ def launch_linear_backward(config: Config, dz, b, out, flags: dict, epilogue: _E
     kernel_out = out
     if splits > 1:
         kernel_out = None if out is None else partial(splits * P, Q)
-    dgamma = partial(splits * triton.cdiv(Q, bn), P) if flags["DGAMMA"] else None
+    dgamma = partial(splits * cdiv(Q, bn), P) if flags["DGAMMA"] else None
     args = epilogue._replace(dgamma=dgamma).launch_args()
     launch_pdl = pdl(dz.device, tiles * splits)
     tile = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
@@ -1207,6 +1212,6 @@ def _sum_slices(parts: torch.Tensor, out: torch.Tensor) -> None:
     """out = the sum of parts' slices along its first dimension (_sum_kernel): parts contiguous fp32, out
     contiguous."""
     numel = out.numel()
-    programs = triton.cdiv(numel, SUM_BLOCK)
+    programs = cdiv(numel, SUM_BLOCK)
     _sum_kernel[(programs,)](parts, out, parts.numel() // numel, numel, **pdl(out.device, programs),
                              BLOCK=SUM_BLOCK, num_warps=4)

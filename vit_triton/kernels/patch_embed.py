@@ -30,8 +30,8 @@ import triton
 import triton.language as tl
 
 from .common import (
-    INTERPRET, cast, check_device, check_dtype, check_float, check_shape, input_precision, mma, pdl, sm_count,
-    start_next_kernel, tune, wait_for_previous_kernel,
+    INTERPRET, cast, cdiv, check_device, check_dtype, check_float, check_shape, input_precision, mma, next_power_of_2,
+    pdl, sm_count, start_next_kernel, tune, wait_for_previous_kernel,
 )
 from .tf32 import tf32_weight
 from .tuning import size_bucket
@@ -286,8 +286,8 @@ def patch_embed(
             raise ValueError(f"out must have unit stride along D, got strides {out.stride()}")
 
     def grid(meta):
-        rows = triton.cdiv(B * num_patches, meta["BLOCK_M"]) + triton.cdiv(B * num_prefix, meta["BLOCK_M"])
-        return (rows, triton.cdiv(D, meta["BLOCK_N"]))
+        rows = cdiv(B * num_patches, meta["BLOCK_M"]) + cdiv(B * num_prefix, meta["BLOCK_M"])
+        return (rows, cdiv(D, meta["BLOCK_N"]))
 
     most_programs = math.prod(grid({"BLOCK_M": 64, "BLOCK_N": 64}))   # the smallest tiles of the configs
     precision = input_precision(weight.dtype, allow_tf32)
@@ -354,7 +354,7 @@ def patch_embed_backward(
         w, w_tf32 = tf32_weight(weight, rows, precision)
 
         def grid(meta):
-            return triton.cdiv(rows, meta["BLOCK_M"]), triton.cdiv(K, meta["BLOCK_N"])
+            return cdiv(rows, meta["BLOCK_M"]), cdiv(K, meta["BLOCK_N"])
 
         _patch_embed_dpixels_kernel[grid](
             dtokens, w, dpixels, D, K, num_patches, W // S, num_prefix, rows,
@@ -366,9 +366,9 @@ def patch_embed_backward(
         splits = dweight_splits(rows, D, K, weight.device)
         dweight = torch.empty_like(weight)
         out = dweight if splits == 1 else torch.empty((splits, D, K), device=weight.device, dtype=torch.float32)
-        grid = (triton.cdiv(D, DW_TILE), triton.cdiv(K, DW_TILE), splits)
+        grid = (cdiv(D, DW_TILE), cdiv(K, DW_TILE), splits)
         _patch_embed_dweight_kernel[grid](
-            pixels, dtokens, out, D, K, num_patches, W // S, num_prefix, rows, triton.cdiv(rows, splits),
+            pixels, dtokens, out, D, K, num_patches, W // S, num_prefix, rows, cdiv(rows, splits),
             *pixels.stride(), dtokens.stride(0), dtokens.stride(1), rows_bucket=size_bucket(rows),
             PATCH=S, INPUT_PRECISION=precision, **pdl(weight.device, math.prod(grid)),
         )
@@ -386,9 +386,9 @@ def _token_sums(dtokens: torch.Tensor, num_prefix: int, pos_rows: int, need_bias
     last = T if need_pos or need_bias else num_prefix
     if first == last:
         return None, None, None
-    block_d = min(128, triton.next_power_of_2(D))
-    block_t = min(16, triton.next_power_of_2(last - first))
-    grid = (triton.cdiv(last - first, block_t), triton.cdiv(D, block_d))
+    block_d = min(128, next_power_of_2(D))
+    block_t = min(16, next_power_of_2(last - first))
+    grid = (cdiv(last - first, block_t), cdiv(D, block_d))
     dpos = dtokens.new_empty((pos_rows, D)) if need_pos else None
     dprefix = dtokens.new_empty((num_prefix, D)) if need_prefix else None
     bias_parts = dtokens.new_empty((grid[0], D), dtype=torch.float32) if need_bias else None
@@ -410,7 +410,7 @@ SPLIT_MIN_ROWS = 16 if INTERPRET else 1024
 def dweight_splits(rows: int, D: int, K: int, device: torch.device) -> int:
     """How many slices of the rows the weight gradient's sum is cut into (1: none). ViT-B/16 at 256 images on an
     H100: 7 slices of 7168 rows; at one image none."""
-    tiles = triton.cdiv(D, DW_TILE) * triton.cdiv(K, DW_TILE)
+    tiles = cdiv(D, DW_TILE) * cdiv(K, DW_TILE)
     return max(1, min(SPLIT_PROGRAMS * sm_count(device) // tiles, rows // SPLIT_MIN_ROWS))
 
 

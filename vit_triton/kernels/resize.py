@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import check_image_batch, pdl, start_next_kernel, wait_for_previous_kernel
+from .common import cdiv, check_image_batch, pdl, start_next_kernel, wait_for_previous_kernel
 
 SUPPORT = {"box": 0.5, "bilinear": 1.0, "hamming": 1.0, "bicubic": 2.0, "lanczos": 3.0}   # in input pixels at scale 1
 FILTERS = tuple(SUPPORT)   # _filter's FILTER is the index here
@@ -291,7 +291,7 @@ def resize_crop(pixels: torch.Tensor, table: torch.Tensor, channels: int, size: 
         # The first pass covers the window along its axis and the whole input across it; the second, the window.
         first_extent = (out_h, int(width[group].max())) if order else (int(height[group].max()), out_w)
         for axis, src, dst, extent in ((1 - order, pixels, tmp, first_extent), (order, tmp, out, size)):
-            grid = (len(group) * channels, triton.cdiv(extent[0], BLOCK), triton.cdiv(extent[1], BLOCK))
+            grid = (len(group) * channels, cdiv(extent[0], BLOCK), cdiv(extent[1], BLOCK))
             _resize_pass_kernel[grid](
                 src, dst, device_table, members, first, taps, meta, channels, out_h, out_w, positions, kmax,
                 AXIS=axis, FIRST=src is pixels, BLOCK_R=BLOCK, BLOCK_C=BLOCK, num_warps=4,

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from .common import (
-    INTERPRET, check_dtype, current_launch_options, pdl, start_next_kernel, to_tf32, wait_for_previous_kernel,
+    INTERPRET, cdiv, check_dtype, current_launch_options, pdl, start_next_kernel, to_tf32, wait_for_previous_kernel,
 )
 
 BLOCK = 4096   # elements a program: 16 KB read, 16 KB written
@@ -68,7 +68,7 @@ def round_to_tf32(t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Ten
     elif out.shape != t.shape or out.dtype != t.dtype or out.device != t.device or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {t.dtype} tensor of shape {tuple(t.shape)} on {t.device}, "
                          f"got {out.dtype} {tuple(out.shape)} on {out.device}")
-    programs = triton.cdiv(t.numel(), BLOCK)
+    programs = cdiv(t.numel(), BLOCK)
     if programs:
         launch = pdl(t.device, programs)
         _round_to_tf32_kernel[(programs,)](t, out, t.numel(), BLOCK=BLOCK, num_warps=8, **launch)

@@ -20,7 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cast, check_device, check_float, pdl, sm_count, start_next_kernel, wait_for_previous_kernel
+from .common import (
+    cast, cdiv, check_device, check_float, next_power_of_2, pdl, sm_count, start_next_kernel, wait_for_previous_kernel,
+)
 
 TILE = 4096   # elements a program loads a step
 
@@ -77,9 +79,9 @@ def token_mean(x: torch.Tensor, start: int = 0, *, out: torch.Tensor | None = No
     elif tuple(out.shape) != (B, D) or out.dtype != x.dtype or out.stride(1) != 1:
         raise ValueError(f"out must be a {x.dtype} tensor of shape ({B}, {D}) with unit stride along D")
     block_d = column_block(B, D, x.device)
-    _token_mean_kernel[(B, triton.cdiv(D, block_d))](
+    _token_mean_kernel[(B, cdiv(D, block_d))](
         x, out, T, D, start, x.stride(0), x.stride(1), out.stride(0),
-        BLOCK_T=TILE // block_d, BLOCK_D=block_d, num_warps=4, **pdl(x.device, B * triton.cdiv(D, block_d)),
+        BLOCK_T=TILE // block_d, BLOCK_D=block_d, num_warps=4, **pdl(x.device, B * cdiv(D, block_d)),
     )
     return out
 
@@ -100,9 +102,9 @@ def token_mean_backward(dy: torch.Tensor, tokens: int, start: int, *, dx: torch.
         dx = torch.empty((B, tokens, D), device=dy.device, dtype=dy.dtype)
     elif tuple(dx.shape) != (B, tokens, D) or dx.dtype != dy.dtype or dx.stride(2) != 1:
         raise ValueError(f"dx must be a {dy.dtype} tensor of shape ({B}, {tokens}, {D}) with unit stride along D")
-    block_d = min(256, triton.next_power_of_2(D))
-    block_t = min(TILE // block_d, triton.next_power_of_2(tokens))
-    grid = (B, triton.cdiv(tokens, block_t), triton.cdiv(D, block_d))
+    block_d = min(256, next_power_of_2(D))
+    block_t = min(TILE // block_d, next_power_of_2(tokens))
+    grid = (B, cdiv(tokens, block_t), cdiv(D, block_d))
     _token_mean_backward_kernel[grid](
         dy, dx, tokens, D, start, dy.stride(0), dx.stride(0), dx.stride(1),
         BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4, **pdl(dy.device, math.prod(grid)),
@@ -113,5 +115,5 @@ def token_mean_backward(dy: torch.Tensor, tokens: int, start: int, *, dx: torch.
 def column_block(B: int, D: int, device: torch.device) -> int:
     """The columns a program averages: 256 (fewer where D is less), or 64 where B * D / 256 programs would not give
     every SM one."""
-    wide = min(256, triton.next_power_of_2(D))
-    return wide if B * triton.cdiv(D, wide) >= sm_count(device) else min(64, wide)
+    wide = min(256, next_power_of_2(D))
+    return wide if B * cdiv(D, wide) >= sm_count(device) else min(64, wide)

@@ -42,6 +42,8 @@ from typing import NamedTuple
 import torch
 import triton
 
+from .common import cdiv
+
 
 class Config(NamedTuple):
     """One launch of a tiled kernel: tile shape, warps, pipeline stages and programs per SM (0: one
@@ -60,7 +62,7 @@ def size_bucket(n: int) -> int:
     a tuning key for a size that varies with the input. Within a bucket a size changes by less than a quarter,
     seldom enough to reorder the candidates; powers of two end buckets, so no bucket straddles a threshold there."""
     shift = max(n.bit_length() - 3, 0)
-    return triton.cdiv(n, 1 << shift) << shift
+    return cdiv(n, 1 << shift) << shift
 
 
 _THREAD = threading.local()

@@ -301,7 +301,8 @@ def resolve_device(option: str | None, local_rank: int) -> torch.device:
         except RuntimeError:   # not a device type torch knows
             device = None
         if device is not None and (device.type == "cpu" or device.type == "cuda" and (device.index or 0) < count):
-            return device
+            # torch.cuda.set_device and the kernels' per-device queries take an index: "cuda" is the current one
+            return torch.device("cuda", torch.cuda.current_device()) if device == torch.device("cuda") else device
         has = ", ".join(["cpu", *(["cuda"] if count else []), *(f"cuda:{i}" for i in range(count))])
         raise UsageError(f"--device {option}: expected a device of this machine: {has}"
                          + ("" if count else " (it has no CUDA device)"))
