@@ -70,16 +70,14 @@ def save_initial(directory: Path, args: dict, seed: int) -> None:
 def finetune_timm(checkpoint: Path, run: Path, out: Path, device: torch.device) -> list[dict]:
     """The recipe of the vit-triton run in `run` through timm's model loaded from `checkpoint`; its epochs' records."""
     import timm
-    import timm.optim
-    import timm.scheduler
+    from safetensors.torch import load_file
     from torch.utils.data import DataLoader
-    from torchvision.transforms import v2
 
     from vit_triton import from_pretrained
     from vit_triton.data import Preprocess
     from vit_triton.data.labeled import LabeledImages, Sample
     from vit_triton.pipelines.curves import Curves
-    from vit_triton.pipelines.finetune import STATE, EpochBatches
+    from vit_triton.pipelines.finetune import STATE, EpochBatches, augmentation, optimization
 
     s = json.loads((run / STATE / "settings.json").read_text())
     data = json.loads((run / STATE / "data.json").read_text())
@@ -88,23 +86,14 @@ def finetune_timm(checkpoint: Path, run: Path, out: Path, device: torch.device) 
     pre = Preprocess.for_model(from_pretrained(str(checkpoint), device="cpu"))
     config = json.loads((checkpoint / "config.json").read_text())
     torch.manual_seed(s["seed"])
-    model = timm.create_model(config["architecture"], pretrained=False, drop_path_rate=s["drop_path"], drop_rate=s["drop"],
-                              **config["model_args"])
-    from safetensors.torch import load_file
-
+    model = timm.create_model(config["architecture"], pretrained=False, drop_path_rate=s["drop_path"],
+                              drop_rate=s["drop"], **config["model_args"])
     model.load_state_dict(load_file(checkpoint / "model.safetensors"))
     dtype = torch.bfloat16 if s["precision"] == "bf16" else torch.float32
     model = model.to(device, dtype)
     per_epoch = len(train) // s["batch_size"]
-    optimizer = timm.optim.create_optimizer_v2(model, s["opt"], lr=s["lr"], weight_decay=s["weight_decay"],
-                                               momentum=s["momentum"], layer_decay=s["layer_decay"])
-    scheduler, _ = timm.scheduler.create_scheduler_v2(
-        optimizer, sched=s["sched"], num_epochs=s["epochs"], warmup_epochs=s["warmup_epochs"],
-        warmup_lr=s["warmup_lr"], min_lr=s["min_lr"], step_on_epochs=False, updates_per_epoch=per_epoch)
-    augment = v2.Compose([v2.RandomResizedCrop(pre.size, scale=tuple(s["scale"]), ratio=tuple(s["ratio"]),
-                                               interpolation=v2.InterpolationMode(pre.resample), antialias=True),
-                          v2.RandomHorizontalFlip(s["hflip"]), v2.PILToTensor()])
-    train_set = LabeledImages(train, classes, augment, pre.channels, seed=s["seed"])
+    optimizer, scheduler = optimization(model, s, per_epoch)
+    train_set = LabeledImages(train, classes, augmentation(pre, s), pre.channels, seed=s["seed"])
     val_set = LabeledImages(val, classes, pre.resize_crop, pre.channels)
     autocast = torch.autocast(device.type, torch.bfloat16, enabled=s["precision"] == "bf16-mixed")
     workers = min(4, max(1, (os.cpu_count() or 1) - 1))

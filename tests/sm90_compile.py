@@ -30,7 +30,7 @@ from vit_triton.kernels.common import PDL_EARLY, PDL_LATE  # noqa: E402
 from vit_triton.kernels.tuning import Config  # noqa: E402
 from vit_triton.kernels.activation import ACTIVATIONS, gelu_fit_degree  # noqa: E402
 from vit_triton.kernels.linear import (  # noqa: E402
-    BACKWARD, FLOAT32, LARGE_M, PLAIN, PLAIN_FLOAT32, TINY_M, WIDE_RESIDUAL, _column_sums_kernel, _grad_kernel,
+    FLOAT32, LARGE_M, TINY_M, WIDE_RESIDUAL, _backward_candidates, _column_sums_kernel, _grad_kernel,
     _linear_backward_plain_kernel, _linear_backward_tma_kernel, _linear_plain_kernel, _linear_tma_kernel, _sum_kernel,
 )
 from vit_triton.kernels.patch_embed import (  # noqa: E402
@@ -220,11 +220,11 @@ def cases():
         yield name, kernel, "u8", {"num_warps": 4}, dict(IMAGES=MIN_IMAGES, TILE_R=TILE[0], TILE_C=TILE[1]), None
 
 def linear_backward_case(name: str, dtype: str, dw: bool, split: int = 1, tma: bool = False, **flags):
-    """One of linear_backward's products with the first config of its path and dtype: dX = dz W (with fc1's activation's
-    derivative and its recomputed output where flags say), or dW = dz^T x cut into `split` slices of rows (fp32
-    partial sums) with LayerScale's d gamma; through pointers, or with tma the TMA kernel's descriptors."""
-    configs = (FLOAT32 if tma else PLAIN_FLOAT32) if dtype == "tf32" else BACKWARD if tma else PLAIN
-    bm, bn, bk, warps, stages, _ = configs[0]
+    """One of linear_backward's products with the first config of its path and dtype (_backward_candidates'): dX = dz
+    W (with fc1's activation's derivative and its recomputed output where flags say), or dW = dz^T x cut into `split`
+    slices of rows (fp32 partial sums) with LayerScale's d gamma; through pointers, or with tma the TMA kernel's
+    descriptors."""
+    bm, bn, bk, warps, stages, _ = _backward_candidates(tma, torch_dtype(dtype))[0]
     act = flags.get("X_ACT", "none")
     if act == "swiglu":   # d x_pre's tile twice the product's width, as linear_backward halves it
         bn //= 2

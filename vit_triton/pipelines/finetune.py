@@ -211,6 +211,33 @@ def _settings(opts: FinetuneOptions, on_gpu: bool, world: int) -> dict:
     return settings
 
 
+def augmentation(pre: Preprocess, settings: dict):
+    """A training image's transform (PIL image -> uint8 [C, H, W]) under these settings (training/settings.json's):
+    RandomResizedCrop to the model's size with its resampling filter, then a horizontal flip."""
+    from torchvision.transforms import v2
+
+    return v2.Compose([
+        v2.RandomResizedCrop(pre.size, scale=tuple(settings["scale"]), ratio=tuple(settings["ratio"]),
+                             interpolation=v2.InterpolationMode(pre.resample), antialias=True),
+        v2.RandomHorizontalFlip(settings["hflip"]), v2.PILToTensor()])
+
+
+def optimization(model: nn.Module, settings: dict, per_epoch: int):
+    """(optimizer, scheduler) of `model` under these settings: timm.optim's optimizer with its parameter groups
+    (layer-wise decay from the model's group_matcher), timm.scheduler's schedule stepped every optimizer step
+    (`per_epoch` an epoch)."""
+    import timm.optim
+    import timm.scheduler
+
+    s = settings
+    optimizer = timm.optim.create_optimizer_v2(model, s["opt"], lr=s["lr"], weight_decay=s["weight_decay"],
+                                               momentum=s["momentum"], layer_decay=s["layer_decay"])
+    scheduler, _ = timm.scheduler.create_scheduler_v2(
+        optimizer, sched=s["sched"], num_epochs=s["epochs"], warmup_epochs=s["warmup_epochs"],
+        warmup_lr=s["warmup_lr"], min_lr=s["min_lr"], step_on_epochs=False, updates_per_epoch=per_epoch)
+    return optimizer, scheduler
+
+
 class EpochBatches(Sampler[list[tuple[int, int, int]]]):
     """This process's share of the micro-batches of one epoch, from micro-batch `start` on. The epoch's order is a
     permutation of the n training samples drawn from (seed, epoch), cut into global micro-batches of batch_size
@@ -341,7 +368,7 @@ class _Run:
         if self.opts.grad_checkpointing:
             model.set_grad_checkpointing(True)
         steps = _Steps(len(train), s["batch_size"], self.opts.grad_accum_steps, self.opts.epochs)
-        optimizer, scheduler = self._optimizer(model, steps)
+        optimizer, scheduler = optimization(model, s, steps.per_epoch)
         trainer = _Trainer(self, model, pre, classes, train, val, steps, optimizer, scheduler)
         position = _Position(0, 0, 0, {})
         if checkpoint is not None:
@@ -486,18 +513,6 @@ class _Run:
             model.reset_classifier(len(classes))
         model.checkpoint = dataclasses.replace(info, id2label=labels)
 
-    def _optimizer(self, model, steps: _Steps):
-        import timm.optim
-        import timm.scheduler
-
-        s = self.settings
-        optimizer = timm.optim.create_optimizer_v2(model, s["opt"], lr=s["lr"], weight_decay=s["weight_decay"],
-                                                   momentum=s["momentum"], layer_decay=s["layer_decay"])
-        scheduler, _ = timm.scheduler.create_scheduler_v2(
-            optimizer, sched=s["sched"], num_epochs=s["epochs"], warmup_epochs=s["warmup_epochs"],
-            warmup_lr=s["warmup_lr"], min_lr=s["min_lr"], step_on_epochs=False, updates_per_epoch=steps.per_epoch)
-        return optimizer, scheduler
-
     def _describe(self, model, classes, train, val, skipped, steps: _Steps, position, resumed: bool) -> None:
         s = self.settings
         validation = (f"{len(val)} images of VAL" if s["val"] else
@@ -576,17 +591,11 @@ class _Trainer:
 
     def __init__(self, run: _Run, model, pre: Preprocess, classes, train, val, steps: _Steps, optimizer,
                  scheduler) -> None:
-        from torchvision.transforms import v2
-
         self.run, self.model, self.pre, self.steps = run, model, pre, steps
         self.optimizer, self.scheduler = optimizer, scheduler
         s, device = run.settings, run.device
         self.s, self.device = s, device
-        self.augment = v2.Compose([
-            v2.RandomResizedCrop(pre.size, scale=tuple(s["scale"]), ratio=tuple(s["ratio"]),
-                                 interpolation=v2.InterpolationMode(pre.resample), antialias=True),
-            v2.RandomHorizontalFlip(s["hflip"]), v2.PILToTensor()])
-        self.train_set = LabeledImages(train, classes, self.augment, pre.channels, seed=s["seed"])
+        self.train_set = LabeledImages(train, classes, augmentation(pre, s), pre.channels, seed=s["seed"])
         self.val_set = LabeledImages(val[run.rank::run.world], classes, pre.resize_crop, pre.channels)
         self.val_images = len(val)
         self.net = _Classifier(model, s["linear_probe"])
