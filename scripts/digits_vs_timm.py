@@ -175,20 +175,17 @@ def main(argv: list[str] | None = None) -> int:
                str(args.batch_size), "--drop-path", str(args.drop_path), *RECIPE, *(["--resume"] if resume else [])]
     if args.precision:
         command += ["--precision", args.precision]
-    started = time.perf_counter()
     subprocess.run(command, check=True)
-    ours_seconds = time.perf_counter() - started
     ours = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "epoch"]
-    started = time.perf_counter()
     theirs = finetune_timm(args.out / "initial", run, args.out / "timm", torch.device(args.device))
-    timm_seconds = time.perf_counter() - started
     plot(args.out, {"vit-triton finetune": ours, "timm, the same recipe": theirs})
     summary = {"model": MODEL, "model_args": model_args(args.size, args.depth, args.width),
                "batch_size": args.batch_size, "drop_path": args.drop_path, "recipe": RECIPE,
                "epochs": args.epochs, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-               "torch": torch.__version__, "vit-triton": {"val_top1": [r["val_top1"] for r in ours],
-                                                          "seconds": ours_seconds},
-               "timm": {"val_top1": [r["val_top1"] for r in theirs], "seconds": timm_seconds}}
+               "torch": torch.__version__,
+               **{name: {"val_top1": [r["val_top1"] for r in records],
+                         "epoch_seconds": [r["seconds"] for r in records]}
+                  for name, records in (("vit-triton", ours), ("timm", theirs))}}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"validation top-1 after {args.epochs} epochs: vit-triton {100 * ours[-1]['val_top1']:.2f}%, timm "
           f"{100 * theirs[-1]['val_top1']:.2f}%")

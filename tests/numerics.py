@@ -19,7 +19,7 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype,
                  torch_out: torch.Tensor | None = None, ill_conditioned: bool = False) -> None:
     """out within the docs/design.md tolerance of the float64 ref; torch_out is PyTorch's own 16-bit result.
     ill_conditioned: inputs whose float32 rounding alone moves the result by more than 1e-5 (the rule's exception):
-    float32 is held to 1.5x PyTorch's own float32 error too, where that is the larger."""
+    float32 is held to 1.5x PyTorch's own float32 error (torch_out's) too, where that is the larger."""
     err = rel_err(out, ref)
     tol = tolerance(dtype, None if torch_out is None else rel_err(torch_out, ref))
     if ill_conditioned and dtype == torch.float32:

@@ -14,6 +14,7 @@ from tests.kernels.checks import (
 from tests.numerics import DEVICE
 from vit_triton.kernels import patch_embed, patch_embed_backward
 from vit_triton.kernels.tf32 import TF32_WEIGHT_ROWS
+from vit_triton.kernels.common import sm_count
 
 PATCH_EMBED = importlib.import_module("vit_triton.kernels.patch_embed")   # the module; the package exports the function
 DIM = 45                                        # no multiple of any tile
@@ -184,9 +185,13 @@ def test_backward(dtype, pixel_dtype, case):
 
 
 def test_backward_splits_the_weight_gradient():
-    # C = 1 at patch 8: 2 x 2 tiles of 45 x 64 (32 x 32 under the interpreter), 60 patch rows in slices.
-    assert PATCH_EMBED.dweight_splits(60, DIM, 64, DEVICE) > 1
-    assert PATCH_EMBED.dweight_splits(40, DIM, 3 * 8 * 8, DEVICE) == 1
+    # Slices of at least SPLIT_MIN_ROWS rows, while the grid of 45 x 64 (C = 1 at patch 8) stays within
+    # SPLIT_PROGRAMS programs an SM; none where the tiles alone fill that.
+    rows = 2 * PATCH_EMBED.SPLIT_MIN_ROWS
+    assert PATCH_EMBED.dweight_splits(rows, DIM, 64, DEVICE) == 2
+    assert PATCH_EMBED.dweight_splits(rows - 1, DIM, 64, DEVICE) == 1
+    wide = (PATCH_EMBED.SPLIT_PROGRAMS * sm_count(DEVICE) + 1) * PATCH_EMBED.DW_TILE
+    assert PATCH_EMBED.dweight_splits(rows, DIM, wide, DEVICE) == 1
 
 
 NEEDS = ("need_pixels", "need_weight", "need_bias", "need_pos", "need_prefix")

@@ -24,10 +24,11 @@ dependent chain (scores, max, exponentials, P V) instead of one a key block wins
 Cost: 4*B*H*Tq*Tk*Dh FLOPs (two GEMMs) + B*H*Tq*Tk exponentials; at least 2*B*(Tq + Tk)*H*Dh elements
 moved (q, k, v read, o written; a query expanded over the batch is read once).
 
-Training. With lse= the forward also stores each query row's log-sum-exp, lse [B, H, Tq] float32 (natural log),
-and attention_backward gives dq, dk, dv from q, k, v, o, lse and dO = dL/do [B, Tq, H, Dh] (any strides, unit
+Training. With lse= the forward also stores each query row's log-sum-exp, lse [B, H, Tq] float32, in base 2 (the
+natural one times log2(e), the units of both passes' exponentials, so neither rounds a conversion), and
+attention_backward gives dq, dk, dv from q, k, v, o, lse and dO = dL/do [B, Tq, H, Dh] (any strides, unit
 stride along Dh) the FlashAttention-2 way, P recomputed from the scores and lse, never stored:
-    delta = rowsum(dO * O) (a small first kernel), P = exp(scale q k^T - lse), dV = P^T dO, dP = dO V^T,
+    delta = rowsum(dO * O) (a small first kernel), P = exp2(log2(e) scale q k^T - lse), dV = P^T dO, dP = dO V^T,
     dS = P * (dP - delta), dK = scale dS^T Q, dQ = scale dS K.
 One launch holds two kinds of programs a head: a dK/dV program owns BLOCK_M keys and streams every query past
 them, a dQ program owns BLOCK_M queries and streams every key; each accumulates its rows in fp32 registers and
@@ -56,7 +57,6 @@ from .common import (
 )
 from .tuning import Config, Tuner, size_bucket
 
-_LOG2E = tl.constexpr(LOG2E)
 TAIL_N = tl.constexpr(16)  # the smallest key block a 16-bit tensor-core product takes (k = 16)
 ONE_PASS_MAX_T = 256       # one pass holds BLOCK_M x 256 fp32 scores at most
 ONE_PASS_WAVES = 2         # ... in launches of at most this many programs an SM
@@ -199,8 +199,8 @@ def _attention_kernel(
     o_ptrs = o_ptr + b * so_b + h * so_h + offs_m[:, None] * so_t + offs_d[None, :]
     tl.store(o_ptrs, cast(o, o_ptr.dtype.element_ty), mask=(offs_m < T_Q)[:, None] & mask_d[None, :])
     if STORE_LSE:
-        # m_i is the row max of the scaled scores in base-2 units: log2(sum) = m_i + log2(l_i), then to natural log.
-        tl.store(lse_ptr + (b * H + h) * T_Q + offs_m, (m_i + tl.log2(l_i)) / _LOG2E, mask=offs_m < T_Q)
+        # m_i is the row max of the scaled scores in base-2 units: log2(sum) = m_i + log2(l_i).
+        tl.store(lse_ptr + (b * H + h) * T_Q + offs_m, m_i + tl.log2(l_i), mask=offs_m < T_Q)
 
 
 def fused_attention(
@@ -220,7 +220,7 @@ def fused_attention(
 
     scale (positive) defaults to Dh ** -0.5. Head dims from 16 to 256 are accepted. tf32_input (q, k and
     v), tf32_output: see tf32.py; they act only where the matmuls run on tf32. lse: a contiguous float32
-    [B, H, Tq] that receives log(sum_j exp(scale * q k_j)) of each query row, what attention_backward takes.
+    [B, H, Tq] that receives log2(sum_j exp(scale * q k_j)) of each query row, what attention_backward takes.
     """
     check_device(q, k, v, out, lse)
     B, Tq, Tk, H, Dh = check_inputs(q, k, v, out=out)
@@ -294,7 +294,7 @@ def _dk_dv_step(dk, dv, k, v, key_valid, q_base, do_base, lse_base, delta_base, 
     s_t = mma(k, qt, tl.zeros((k.shape[0], BLOCK), dtype=tl.float32), INPUT_PRECISION, False, False)
     if KEYS_MASKED:   # P = 0 for a key past T_K: its zeros could give exp(-lse) = inf (a row never stored, but NaN)
         s_t = tl.where(key_valid[:, None], s_t, float("-inf"))
-    p_t = exp2(s_t * qk_scale - (lse * _LOG2E)[None, :])
+    p_t = exp2(s_t * qk_scale - lse[None, :])
     dv = mma(cast(p_t, do.dtype), do, dv, INPUT_PRECISION, False, False)
     dp_t = mma(v, tl.trans(do), tl.zeros((k.shape[0], BLOCK), dtype=tl.float32), INPUT_PRECISION, False, False)
     ds_t = p_t * (dp_t - delta[None, :])
@@ -356,7 +356,7 @@ def _dq(q_base, k_base, v_base, do_base, lse_base, delta_base, dq_base, start, T
     mask = valid[:, None] & mask_d[None, :] if MASKED else mask_d[None, :]
     q = tl.load(q_base + offs_m[:, None] * sq_t + offs_d[None, :], mask=mask, other=0.0)
     do = tl.load(do_base + offs_m[:, None] * sdo_t + offs_d[None, :], mask=mask, other=0.0)
-    lse = (tl.load(lse_base + offs_m, mask=valid, other=0.0) if MASKED else tl.load(lse_base + offs_m)) * _LOG2E
+    lse = tl.load(lse_base + offs_m, mask=valid, other=0.0) if MASKED else tl.load(lse_base + offs_m)
     delta = tl.load(delta_base + offs_m, mask=valid, other=0.0) if MASKED else tl.load(delta_base + offs_m)
     dq = tl.zeros((ROWS, offs_d.shape[0]), dtype=tl.float32)
     whole = T_K - T_K % BLOCK_N
