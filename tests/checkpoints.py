@@ -34,17 +34,20 @@ def hf_model(cls_name: str, seed: int = 0, depth: int = TINY_HF["num_hidden_laye
 
 
 def family_outputs(model, pixels):
-    """A transformers DINOv2, DINOv3, CLIP, SigLIP, ViT-MAE, AIMv2, Idefics3, SmolVLM or InternVL encoder's
-    last_hidden_state, the image embedding its library defines, and the pooled features before a projection; at any
-    input size, as each resamples its position embedding (interpolate_pos_encoding; DINOv2, Idefics3, SmolVLM and
-    InternVL always do; AIMv2 cannot, but for its native checkpoints' sin-cos table, built for any grid). Where a
+    """A transformers DINOv2, DINOv3, CLIP, SigLIP, ViT-MAE, AIMv2, Idefics3, SmolVLM, InternVL, BEiT or
+    data2vec-vision encoder's last_hidden_state, the image embedding its library defines, and the pooled features
+    before a projection; at any input size, as each resamples its position embedding (interpolate_pos_encoding;
+    DINOv2, Idefics3, SmolVLM and InternVL always do; AIMv2 cannot, but for its native checkpoints' sin-cos table,
+    built for any grid; BEiT's and data2vec-vision's relative position bias at the checkpoint's grid only). Where a
     model has no pooler_output (AIMv2 and SigLIP without their heads, Idefics3, SmolVLM), the mean of
-    last_hidden_state stands for it (what timm's AIMv2 pools, and vit-triton); InternVL's is the one its docs give:
-    the mean of the patch tokens (use_mean_pooling), else the class token."""
+    last_hidden_state stands for it (what timm's AIMv2 pools, and vit-triton); InternVL's, and data2vec-vision's
+    without a pooler, is the one their docs give: the mean of the patch tokens (use_mean_pooling), else the class
+    token."""
     import transformers
 
-    # DINOv2 always resamples its position embedding; DINOv3 has none; the others take no such argument
-    fixed = ("Dinov2", "DINOv3", "Aimv2", "Idefics3", "SmolVLM", "InternVL")
+    # DINOv2 always resamples its position embedding; DINOv3 has none; BEiT and data2vec-vision run at their own grid
+    # here; the others take no such argument
+    fixed = ("Dinov2", "DINOv3", "Aimv2", "Idefics3", "SmolVLM", "InternVL", "Beit", "Data2VecVision")
     any_size = {} if type(model).__name__.startswith(fixed) else {"interpolate_pos_encoding": True}
 
     if isinstance(model, transformers.ViTMAEModel):   # no masking: mask_ratio 0 and the patches kept in order
@@ -57,11 +60,10 @@ def family_outputs(model, pixels):
         return out.last_hidden_state, model.visual_projection(out.pooler_output), out.pooler_output
     out = (model.vision_model if isinstance(model, transformers.SiglipModel) else model)(pixels, **any_size)
     features = out.last_hidden_state
-    if isinstance(model, transformers.InternVLVisionModel):
+    pooled = getattr(out, "pooler_output", None)   # SmolVLM's output class has none in transformers 5.17
+    if pooled is None and hasattr(model.config, "use_mean_pooling"):   # InternVL, data2vec-vision without a pooler
         pooled = features[:, 1:].mean(1) if model.config.use_mean_pooling else features[:, 0]
-    else:
-        pooled = getattr(out, "pooler_output", None)   # SmolVLM's output class has none in transformers 5.17
-        pooled = features.mean(1) if pooled is None else pooled
+    pooled = features.mean(1) if pooled is None else pooled
     return features, pooled, pooled
 
 

@@ -45,7 +45,7 @@ from vit_triton.kernels.tf32 import _round_to_tf32_kernel  # noqa: E402
 from vit_triton.kernels.token_mean import _token_mean_backward_kernel, _token_mean_kernel  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
-FLOAT_ARGS = {"eps", "qk_scale", "scale"}
+FLOAT_ARGS = {"eps", "qk_scale", "scale", "bias_mult"}
 # Integers that are multiples of 16 in every ViT launch (widths, row and head strides; the backward
 # products' P, Q and R, widths but dW's R, the rows, which no load's contiguous dimension is masked by).
 # Triton specializes such arguments at launch; without that its pipeliner cannot prove 16-byte alignment
@@ -53,8 +53,8 @@ FLOAT_ARGS = {"eps", "qk_scale", "scale"}
 ALIGNED_INTS = re.compile(r"[NKDPQR]|stride_\w+|s[qkvo]_[bth]")
 LINEAR_OUTPUT = "y"   # the TMA linear kernel's output: a descriptor, or a pointer
 # The backward's fp32 statistics and partial sums: log-sum-exp and rowsum(dO * O), a norm's mean and 1 / std,
-# a norm's and LayerScale's partial gradients; stochastic depth's per-row factors.
-FLOAT32_POINTERS = {"lse_ptr", "delta_ptr", "stats_ptr", "dsum_ptr", "dgamma_ptr", "row_scale_ptr"}
+# a norm's and LayerScale's partial gradients; stochastic depth's per-row factors; attention's bias gradient.
+FLOAT32_POINTERS = {"lse_ptr", "delta_ptr", "stats_ptr", "dsum_ptr", "dgamma_ptr", "row_scale_ptr", "dbias_ptr"}
 INDEX_POINTERS = {"table_ptr": "*i64", "images_ptr": "*i32", "first_ptr": "*i32", "taps_ptr": "*i32",   # resize's
                   "meta_ptr": "*i32", "codes_ptr": "*i32", "counts_ptr": "*i64"}   # and chroma's
 # Global loads, stores, copies and atomics in PTX (not the L2 prefetch, an inline asm block of its own).
@@ -169,13 +169,19 @@ def cases():
                               split_k, HAS_BIAS=True, ACT="none", HAS_RESIDUAL=False, HAS_SCALE=False,
                               INPUT_PRECISION="ieee", tma=tma)
         yield ("fused_attention", _attention_kernel, dtype, streaming_options,
-               dict(HEAD_DIM=80, BLOCK_D=128, INPUT_PRECISION="ieee", QKV_TF32=False, O_TF32=False, **streaming), None)
-        # One pass over 197 keys, as fused_attention launches it at one ViT-B image.
-        yield ("fused_attention-one-pass-early", _attention_kernel, dtype,
-               {"num_warps": ONE_PASS.warps, "num_stages": ONE_PASS.stages},
-               dict(HEAD_DIM=64, BLOCK_D=64, INPUT_PRECISION="ieee", QKV_TF32=False, O_TF32=False, PDL=PDL_EARLY,
-                    **dict(zip(("KEYS0", "KEYS1", "KEYS2"), key_pieces(197))), BLOCK_M=ONE_PASS.block_m,
-                    BLOCK_N=ONE_PASS.block_n), None)
+               dict(HEAD_DIM=80, BLOCK_D=128, INPUT_PRECISION="ieee", QKV_TF32=False, O_TF32=False, bias_ptr=None,
+                    HAS_BIAS=False, **streaming), None)
+        # One pass over 197 keys, as fused_attention launches it at one ViT-B image; with BEiT's bias in bf16.
+        for bias in (False, True) if dtype == "bf16" else (False,):
+            yield (f"fused_attention{'-bias' * bias}-one-pass-early", _attention_kernel, dtype,
+                   {"num_warps": ONE_PASS.warps, "num_stages": ONE_PASS.stages},
+                   dict(HEAD_DIM=64, BLOCK_D=64, INPUT_PRECISION="ieee", QKV_TF32=False, O_TF32=False, PDL=PDL_EARLY,
+                        **dict(zip(("KEYS0", "KEYS1", "KEYS2"), key_pieces(197))), BLOCK_M=ONE_PASS.block_m,
+                        BLOCK_N=ONE_PASS.block_n, HAS_BIAS=bias, **({} if bias else {"bias_ptr": None})), None)
+        if dtype == "bf16":
+            yield ("fused_attention-bias", _attention_kernel, dtype, streaming_options,
+                   dict(HEAD_DIM=64, BLOCK_D=64, INPUT_PRECISION="ieee", QKV_TF32=False, O_TF32=False,
+                        HAS_BIAS=True, **streaming), None)
         yield ("patch_embed", _patch_embed_kernel, dtype, {}, dict(
             PATCH=16, HAS_BIAS=True, HAS_PREFIX=True, HAS_POS=True, POS_HAS_PREFIX=dtype != "fp16",
             INPUT_PRECISION="ieee", W_TF32=False), None)
@@ -204,7 +210,8 @@ def cases():
     yield ("round_to_tf32", _round_to_tf32_kernel, "tf32", {"num_warps": 8}, dict(BLOCK=4096), None)
     for pre in (False, True):
         yield ("fused_attention", _attention_kernel, "tf32", streaming_options,
-               dict(HEAD_DIM=64, BLOCK_D=64, INPUT_PRECISION="tf32", QKV_TF32=pre, O_TF32=pre, **streaming), None)
+               dict(HEAD_DIM=64, BLOCK_D=64, INPUT_PRECISION="tf32", QKV_TF32=pre, O_TF32=pre, bias_ptr=None,
+                    HAS_BIAS=False, **streaming), None)
     yield ("layer_norm", _layer_norm_kernel, "tf32", {"num_warps": 4}, dict(HAS_BIAS=True, RMS=False, HAS_ADD=False,
                                                                             NUM_PARTS=2, BLOCK_M=2, BLOCK_D=1024), None)
     # resize (uint8): the weights, torch's bicubic and Pillow's lanczos (float64 sine and cosine), and the passes:
@@ -271,11 +278,12 @@ def backward_cases():
     yield ("attention_delta", _delta_kernel, "bf16", row_kernel,
            dict(HEAD_DIM=64, BLOCK_D=64, BLOCK_M=DELTA_BLOCK_M), None)
     first = BACKWARD_CANDIDATES[0]
-    for head_dim, width in ((64, 64), (80, 128)):
-        yield (f"fused_attention-backward-{head_dim}", _attention_backward_kernel, "bf16",
+    for head_dim, width, bias in ((64, 64, False), (80, 128, False), (64, 64, True)):   # BEiT's bias and its dS
+        absent = {} if bias else {"bias_ptr": None, "dbias_ptr": None}
+        yield (f"fused_attention-backward-{head_dim}{'-bias' * bias}", _attention_backward_kernel, "bf16",
                {"num_warps": first.warps, "num_stages": first.stages},
-               dict(HEAD_DIM=head_dim, BLOCK_D=width, INPUT_PRECISION="ieee", BLOCK_M=first.block_m,
-                    BLOCK_N=first.block_n), None)
+               dict(HEAD_DIM=head_dim, BLOCK_D=width, INPUT_PRECISION="ieee", HAS_BIAS=bias, STORE_DBIAS=bias,
+                    BLOCK_M=first.block_m, BLOCK_N=first.block_n, **absent), None)
     for rms in (False, True):   # LayerNorm's dx, d gamma and d beta; RMSNorm's with a post-added table's gradient
         yield (f"layer_norm{'-rms' * rms}-backward", _layer_norm_backward_kernel, "bf16", row_kernel,
                dict(RMS=rms, NEED_DX=True, NEED_DW=True, SUM_DY=True, PER_ROW=rms, BLOCK_M=4, BLOCK_D=1024),

@@ -34,7 +34,7 @@ def test_verify_prints_errors_and_times(capsys):
     (["bench", "--systems", "hf,nope"], "unknown systems ['nope']; expected a subset of vit-triton,"),
     (["bench", "--image-size", "8"], "--image-size 8: image_size 8 must be at least patch_size 16"),
     (["bench", "--model", "resnet18"], "--model resnet18: from_timm takes a timm VisionTransformer, "
-                                       "VisionTransformerDistilled or Eva, got ResNet"),
+                                       "VisionTransformerDistilled, Eva or Beit, got ResNet"),
     (["classify", "a.jpg", "--model", "m", "--top-k", "0"], "argument --top-k: expected a positive integer, got '0'"),
     (["classify", "a.jpg", "--model", "m", "--batch-size", "x"], "argument --batch-size: expected a positive integer"),
     (["embed", "imgs", "--model", "m", "--output", "o.npy", "--batch-size", "0"], "argument --batch-size: expected a "),

@@ -26,7 +26,7 @@ def test_kernels_compile_for_sm90_with_wgmma():
         name, dtype, *found = line.split(" ")
         counts.setdefault((name, dtype), []).append(
             {field: [int(n) for n in value.split(",")] for field, value in (f.split("=") for f in found)})
-    assert len(counts) == 81, sorted(counts)
+    assert len(counts) == 84, sorted(counts)
     for (name, dtype), found in counts.items():
         def each(field):
             return [case[field] for case in found]

@@ -13,10 +13,12 @@ from packaging.version import Version
 from timm.layers import RmsNorm, SwiGLUPacked
 from timm.models.vision_transformer import VisionTransformer
 
-from tests.checkpoints import family_outputs
+from tests.checkpoints import family_outputs, hf_model, save_hf, save_timm, timm_model
 from tests.numerics import DEVICE, assert_close, randomize_
+from tests.test_save import LABELS, _assert_reads_back, _finetuned, _hf_load, _timm_load, _zero_key_bias
 from vit_triton import from_hf, from_timm
-from vit_triton.loaders import hf_config_to_vit, hf_num_classes, hf_state_dict_to_vit, timm_config_to_vit
+from vit_triton.loaders import hf_config_to_vit, hf_num_classes, hf_state_dict_to_vit, save_pretrained, \
+    timm_config_to_vit
 
 TINY_HF = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=96,
                image_size=24, patch_size=8)
@@ -143,6 +145,45 @@ def test_from_hf_aimv2_matches_transformers(variant, dtype, size):
         with pytest.raises(RuntimeError, match="must match the size"):
             family_outputs(model, torch.randn(1, 3, 24, 40))
     _check_parity(model, family_outputs, from_hf, dtype, size)
+
+
+# BEiT and data2vec-vision: a relative position bias table in every block (use_relative_position_bias) or one for all
+# (use_shared_relative_position_bias), LayerScale (or none), q and v biases without k's; the patch mean through the
+# pooler's LayerNorm (Data2VecVisionModel has no pooler: the plain mean), or the class token after a final norm; an
+# absolute position embedding or none. At the checkpoints' own grids of 3 x 3 and 5 x 5 patches: another is refused
+# (the table is learned for one grid).
+BEIT = {
+    "beit-block": (transformers.BeitModel, transformers.BeitConfig, dict(use_relative_position_bias=True)),
+    "beit-shared-classifier": (transformers.BeitForImageClassification, transformers.BeitConfig, dict(
+        use_shared_relative_position_bias=True, num_labels=50)),
+    "beit-shared-token-abs_pos-no-layer-scale": (transformers.BeitModel, transformers.BeitConfig, dict(
+        use_shared_relative_position_bias=True, use_mean_pooling=False, use_absolute_position_embeddings=True,
+        layer_scale_init_value=0.0)),
+    "data2vec-block-no-pooler": (transformers.Data2VecVisionModel, transformers.Data2VecVisionConfig, dict(
+        use_relative_position_bias=True)),
+    "data2vec-block-classifier": (transformers.Data2VecVisionForImageClassification,
+                                  transformers.Data2VecVisionConfig, dict(use_relative_position_bias=True,
+                                                                          num_labels=50)),
+}
+
+
+def _beit_outputs(model, pixels):
+    """family_outputs, or a classifier's: its encoder's last_hidden_state, logits, and pooler_output."""
+    if not hasattr(model, "classifier"):
+        return family_outputs(model, pixels)
+    encoder = model.beit if isinstance(model, transformers.BeitForImageClassification) else model.data2vec_vision
+    out = encoder(pixels)
+    return out.last_hidden_state, model(pixels).logits, out.pooler_output
+
+
+@pytest.mark.parametrize("variant, dtype, size", [(v, d, 24) for v in BEIT for d in (torch.float32, torch.bfloat16)]
+                         + [("beit-block", torch.float32, 40), ("data2vec-block-classifier", torch.bfloat16, 40)])
+def test_from_hf_beit_and_data2vec_match_transformers(variant, dtype, size):
+    cls, config, kw = BEIT[variant]
+    model = cls(config(**{**TINY_VISION, "image_size": size}, intermediate_size=96, **kw))
+    cfg = from_hf(model).config
+    assert (cfg.rel_pos_bias, cfg.key_bias) == ("shared" if "shared" in variant else "block", False)
+    _check_parity(model, _beit_outputs, from_hf, dtype, size)
 
 
 def test_smolvlm_picks_position_rows_as_transformers_even_at_its_own_grid():
@@ -371,6 +412,80 @@ def test_from_timm_aimv2_at_another_size_matches_timm(dtype):
     _check_parity(model, _run_timm, from_timm, dtype, SIZES["3x5"])
 
 
+# timm's Beit: BEiT (a table in every block, LayerScale, the patch mean normed after pooling), BEiT v2 made to share one
+# table and add an absolute position embedding, pooling the class token; SwiGLU with its sub-norm (swiglu_mlp,
+# scale_mlp).
+TIMM_BEIT = {
+    "beit-block": ("beit_base_patch16_224", dict(num_classes=50)),
+    "beitv2-shared-abs_pos-token": ("beitv2_base_patch16_224", dict(
+        use_rel_pos_bias=False, use_shared_rel_pos_bias=True, use_abs_pos_emb=True, global_pool="token",
+        num_classes=0)),
+    "beit-swiglu-scale_mlp": ("beit_base_patch16_224", dict(swiglu_mlp=True, scale_mlp=True, num_classes=0)),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", TIMM_BEIT)
+def test_from_timm_beit_matches_timm(variant, dtype):
+    name, kw = TIMM_BEIT[variant]
+    _check_parity(timm.create_model(name, pretrained=False, **TINY_EVA, **kw), _run_timm, from_timm, dtype, 32)
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: timm.create_model("beit_base_patch16_224", pretrained=False, **TINY_EVA, use_shared_rel_pos_bias=True),
+     r"unsupported timm Beit feature: a relative position bias table in every block and a shared one"),
+    (lambda: timm.create_model("beit_base_patch16_224", pretrained=False, **TINY_EVA, global_pool=""),
+     r"unsupported timm Beit feature: global_pool '' \(supported: token, avg\)"),
+    (lambda: transformers.BeitModel(transformers.BeitConfig(**TINY_VISION, use_relative_position_bias=True,
+                                                            use_shared_relative_position_bias=True)),
+     r"unsupported beit feature: use_relative_position_bias with use_shared_relative_position_bias \(a table in "
+     r"every block and a shared one"),
+])
+def test_beit_with_two_kinds_of_table_or_no_pooling_is_refused(make, match):
+    with torch.device("meta"):
+        model = make()
+    with pytest.raises(ValueError, match=match):
+        (from_timm if isinstance(model, timm.models.beit.Beit) else from_hf)(model)
+
+
+# save_pretrained (tests/test_save.py's checks): a fine-tuned BEiT or data2vec-vision written in its source's layout,
+# which its library loads as it is and computes as ours does, and which from_pretrained reads back as the same model.
+# Data2VecVisionModel has no pooler: a classifier of its plain patch mean goes beside it, which transformers leaves
+# unused (its BEiT classifiers norm the mean).
+BEIT_SAVED = {
+    "timm-beit-block-new-labels": (lambda tmp: save_timm(timm_model(
+        "beit_base_patch16_224", embed_dim=64, num_heads=2, mlp_ratio=1.5, num_classes=5), tmp), LABELS),
+    "timm-beitv2-shared": (lambda tmp: save_timm(timm_model(
+        "beitv2_base_patch16_224", embed_dim=64, num_heads=2, mlp_ratio=1.5, use_rel_pos_bias=False,
+        use_shared_rel_pos_bias=True, num_classes=0), tmp), None),
+    "beit-classifier-shared": (lambda tmp: save_hf(hf_model(
+        "BeitForImageClassification", use_shared_relative_position_bias=True, num_labels=5), tmp), None),
+    "data2vec-block-new-classifier": (lambda tmp: save_hf(hf_model(
+        "Data2VecVisionModel", use_relative_position_bias=True), tmp), LABELS),
+}
+
+
+@pytest.mark.parametrize("case", BEIT_SAVED)
+def test_beit_is_written_back_in_its_layout(case, tmp_path):
+    make, classes = BEIT_SAVED[case]
+    model = _finetuned(make(tmp_path / "source"), classes)
+    _zero_key_bias(model)   # k has no bias in BEiT (key_bias=False keeps it zero in training)
+    save_pretrained(model, tmp_path / "out")
+    pixels = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        ours = model(pixels.to(DEVICE))
+        if case.startswith("timm"):
+            want = _timm_load(tmp_path / "out").double()(pixels.double())
+        else:
+            theirs, missing, unexpected = _hf_load(tmp_path / "out")
+            assert not missing and unexpected == ({"classifier.weight", "classifier.bias"} if classes else set())
+            if classes:   # transformers' output is the pooled features, the classifier's input
+                ours = model.forward_head(model.forward_features(pixels.to(DEVICE)), pre_logits=True)
+            want = _beit_outputs(theirs.double(), pixels.double())[1]
+    assert_close(ours, want.to(DEVICE), torch.float32)
+    _assert_reads_back(model, tmp_path / "out")
+
+
 def test_eva_config():
     name, kw = TIMM_FAMILIES["eva02-base-swiglu-subnorm"]
     cfg = from_timm(timm.create_model(name, pretrained=False, **TINY_EVA, **kw)).config
@@ -405,7 +520,8 @@ def test_unsupported_eva_features(kw, match):
 @pytest.mark.parametrize("name, match", [
     ("samvit_base_patch16", r"got VisionTransformerSAM \(windowed attention with relative position bias, which the "
                             r"kernels do not compute\)"),
-    ("beit_base_patch16_224", r"got Beit \(relative position bias in attention, which the kernels"),
+    ("vit_relpos_base_patch16_224", r"got VisionTransformerRelPos \(an MLP \(RelPosMlp\) making the relative "
+                                    r"position bias from log-spaced patch offsets, which the kernels do not compute"),
     ("vit_base_r50_s16_224", r"patch embedding HybridEmbed \(supported: PatchEmbed; a hybrid convolutional stem"),
 ])
 def test_refused_timm_families_name_what_they_lack(name, match):
@@ -473,18 +589,17 @@ def test_unsupported_timm_features(kw, match):
 
 
 def test_unsupported_modules():
-    with pytest.raises(ValueError, match="timm VisionTransformer, VisionTransformerDistilled or Eva, got Linear"):
+    with pytest.raises(ValueError, match="VisionTransformer, VisionTransformerDistilled, Eva or Beit, got Linear"):
         from_timm(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="ViTForImageClassification, DeiTModel, .*, got Linear"):
         from_hf(torch.nn.Linear(2, 2))
-    with pytest.raises(ValueError, match="unsupported HuggingFace model_type 'swin'; supported: "
-                                         "'aimv2_vision_model', 'clip_vision_model', 'deit', "):
+    with pytest.raises(ValueError, match="unsupported HuggingFace model_type 'swin'; supported: 'aimv2_vision_model', "
+                                         "'beit', 'clip_vision_model', 'data2vec-vision', 'deit', "):
         hf_config_to_vit({"model_type": "swin"})
-    with torch.device("meta"):
-        beit = transformers.BeitModel(transformers.BeitConfig(**TINY_HF, use_relative_position_bias=True))
-    with pytest.raises(ValueError, match=r"got BeitModel \(its relative position bias, which the attention kernel "
-                                         r"does not compute\)"):
-        from_hf(beit)
+    with pytest.raises(ValueError, match=r"unsupported HuggingFace model_type 'sam_vision_model' \(its windowed "
+                                         r"attention with relative position bias, which the attention kernel does not "
+                                         r"compute\)"):
+        hf_config_to_vit({"model_type": "sam_vision_model"})
     with pytest.raises(ValueError, match="unsupported hidden_act 'relu'; supported: gelu, "):
         hf_config_to_vit({**transformers.ViTConfig(**TINY_HF).to_dict(), "hidden_act": "relu"})
 

@@ -9,9 +9,11 @@ import torch
 
 from tests.kernels.checks import tf32_matmuls
 from tests.numerics import DEVICE, assert_close, randomize_
+from tests.test_training import assert_grads_close, grads, reference_grads
 from vit_triton import ops
 from vit_triton.model import ViT, ViTConfig, vit
 from vit_triton.model.reference import reference_forward
+from vit_triton.model.rel_pos_bias import relative_position_index
 
 SMALL = dict(image_size=24, patch_size=8, embed_dim=64, depth=2, num_heads=2, mlp_dim=96)
 
@@ -45,6 +47,11 @@ VARIANTS = {
     "pe-map-own-heads-projection-bias": dict(pool="map", pool_heads=4, pool_mlp_dim=80, pre_norm=True,
                                              patch_bias=False, rope="axial", rope_xy=True, rope_offset=1.0,
                                              proj_dim=40, embed_proj_bias=True),
+    # BEiT: a relative position bias table in every block (or one for all), LayerScale, no key bias, no absolute
+    # position embedding, the patch mean normed after pooling
+    "beit-rel_pos_bias-block": dict(rel_pos_bias="block", layer_scale=True, key_bias=False, abs_pos_embed=False,
+                                    pool="avg", fc_norm=True, num_classes=50),
+    "beit-rel_pos_bias-shared-abs_pos": dict(rel_pos_bias="shared", key_bias=False),
 }
 
 
@@ -150,6 +157,35 @@ def test_tf32_follows_weights_loaded_in_place():
         assert not torch.equal(after, before) and torch.equal(after, other(pixels))
 
 
+@pytest.mark.parametrize("variant, checkpointed", [("beit-rel_pos_bias-block", False),
+                                                  ("beit-rel_pos_bias-shared-abs_pos", True)])
+def test_relative_position_bias_tables_get_the_references_gradients(variant, checkpointed):
+    # The gather's gradient scattered back into each table: the shared one sums every block's
+    model = _model(torch.float32, **VARIANTS[variant])
+    model.set_grad_checkpointing(checkpointed)
+    pixels = torch.randn(2, 3, 24, 24, device=DEVICE)
+    weights = torch.randn(2, model.config.num_classes or model.config.embed_dim, device=DEVICE)
+    got = grads(model, pixels, weights)
+    tables = {name for name in got if "rel_pos_table" in name}
+    assert tables and tables <= model.no_weight_decay()   # exempt from weight decay, as timm's Beit has them
+    assert_grads_close(got, reference_grads(model, pixels, weights), torch.float32)
+
+
+@pytest.mark.parametrize("grid", [(1, 1), (3, 3), (2, 5), (14, 14)])
+def test_relative_position_index_is_timms(grid):
+    from timm.models.beit import gen_relative_position_index
+
+    assert torch.equal(relative_position_index(grid), gen_relative_position_index(grid))
+
+
+def test_a_relative_position_bias_needs_the_checkpoints_grid():
+    model = _model(torch.float32, **VARIANTS["beit-rel_pos_bias-block"])
+    assert model.forward_features(torch.randn(1, 3, 31, 26, device=DEVICE)).shape == (1, 10, 64)   # 3 x 3 patches
+    with pytest.raises(ValueError, match=r"the relative position bias is learned for 3 x 3 patches of 8 \(24 x 24 "
+                                         r"images\): pixels must make that grid, got 24x32 \(3 x 4 patches\)"):
+        model(torch.randn(1, 3, 24, 32, device=DEVICE))
+
+
 def test_distilled_pre_logits_is_the_mean_of_class_and_distillation_tokens():
     model = _model(torch.float32, **VARIANTS["deit-distilled"])
     pixels = torch.randn(3, 3, 24, 24, device=DEVICE)
@@ -224,6 +260,10 @@ def test_pixels_on_another_device():
     (dict(pool="map", pool_heads=3), "pool_heads must divide embed_dim 64 into heads of 16 to 256, got 3"),
     (dict(pool="map", pool_heads=8), "pool_heads must divide embed_dim 64 into heads of 16 to 256, got 8"),
     (dict(embed_proj_bias=True), "embed_proj_bias is the bias of the embedding projection: it needs proj_dim > 0"),
+    (dict(rel_pos_bias="layer"), r"rel_pos_bias must be one of \('none', 'block', 'shared'\), got 'layer'"),
+    (dict(rel_pos_bias="block", reg_tokens=1), r"rel_pos_bias needs the class token as the only prefix token \(its "
+                                               r"table has rows for it alone\), got class_token True, dist_token "
+                                               r"False and reg_tokens 1"),
 ])
 def test_bad_config(kw, match):
     with pytest.raises(ValueError, match=match):

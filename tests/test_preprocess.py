@@ -29,6 +29,7 @@ HF_PROCESSORS = {
     "bit-dinov2": ("BitImageProcessor", dict(size={"shortest_edge": 40}, crop_size={"height": 35, "width": 35},
                                              **IMAGENET)),
     "siglip": ("SiglipImageProcessor", dict(size={"height": 38, "width": 38})),
+    "beit": ("BeitImageProcessor", dict(size={"height": 36, "width": 34})),
 }
 
 
@@ -51,6 +52,19 @@ def test_equal_to_transformers_image_processor(case, tmp_path):
         got = ours(img)
         assert got.dtype == torch.float32 and got.shape == want.shape == (3, *ours.size)
         assert torch.equal(got, want), f"{case} {h}x{w}: max difference {(got - want).abs().max()}"
+
+
+@pytest.mark.parametrize("architecture, model_type", [("BeitModel", "beit"),
+                                                       ("Data2VecVisionModel", "data2vec-vision")])
+def test_a_checkpoint_without_its_processor_gets_transformers_default(architecture, model_type, tmp_path):
+    # what AutoImageProcessor gives the model type without a preprocessor_config.json: its class's defaults
+    import transformers
+    from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING_NAMES
+
+    names = IMAGE_PROCESSOR_MAPPING_NAMES[model_type]
+    getattr(transformers, names["torchvision"] if isinstance(names, dict) else names)().save_pretrained(tmp_path)
+    want = Preprocess.from_hf(json.loads((tmp_path / "preprocessor_config.json").read_text()))
+    assert Preprocess.from_hf({}, architecture, 224) == want
 
 
 def test_dinov3_processor_within_a_uint8_step(tmp_path):

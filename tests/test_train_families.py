@@ -28,6 +28,8 @@ TIMM = {
     # the attention pool's own heads and MLP width; the norm of the attention's output
     "pe-core-map": ("vit_pe_core_tiny_patch16_384", dict(num_classes=0, attn_pool_num_heads=4, mlp_ratio=1.5)),
     "eva02-clip-attn-norm": ("eva02_base_patch16_clip_224", dict(num_classes=5)),
+    # a relative position bias table in every block (its gradient scattered back from the bias), LayerScale, no key bias
+    "beit-rel_pos_bias": ("beit_base_patch16_224", dict(num_classes=5)),
 }
 HF = {
     "hf-vit": ("ViTForImageClassification", dict(num_labels=5)),
@@ -37,6 +39,12 @@ HF = {
     # the position rows picked by bucketing; InternVL's LayerScale, q, k, v without bias and patch mean
     "hf-smolvlm": ("SmolVLMVisionTransformer", dict(depth=1)),
     "hf-internvl": ("InternVLVisionModel", dict(depth=1)),
+    # one table for both blocks, whose gradient sums theirs; a table in the block. transformers' BEiT drops paths by
+    # default (drop_path_rate 0.1), vit-triton only where asked
+    "hf-beit-shared-rel_pos_bias": ("BeitForImageClassification", dict(num_labels=5, drop_path_rate=0.0,
+                                                                        use_shared_relative_position_bias=True)),
+    "hf-data2vec-rel_pos_bias": ("Data2VecVisionModel", dict(depth=1, drop_path_rate=0.0,
+                                                             use_relative_position_bias=True)),
 }
 
 

@@ -435,35 +435,39 @@ def _split(qkv: Tensor, q: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
 
 
 @_custom_op("vit_triton::attention")
-def _attention(qkv: Tensor, q: Tensor | None, scale: float | None, tf32_input: bool,
-               tf32_output: bool) -> tuple[Tensor, Tensor]:
+def _attention(qkv: Tensor, q: Tensor | None, scale: float | None, tf32_input: bool, tf32_output: bool,
+               bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
     q, k, v = _split(qkv, q)
     lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), device=q.device, dtype=torch.float32)
-    o = kernels.fused_attention(q, k, v, scale=scale, tf32_input=tf32_input, tf32_output=tf32_output, lse=lse)
+    o = kernels.fused_attention(q, k, v, scale=scale, tf32_input=tf32_input, tf32_output=tf32_output, lse=lse,
+                                bias=bias)
     return o, lse
 
 
 @_attention.register_fake
-def _(qkv, q, scale, tf32_input, tf32_output):
+def _(qkv, q, scale, tf32_input, tf32_output, bias=None):
     b, t, _, h, dh = qkv.shape
     tq = t if q is None else q.shape[1]
     return qkv.new_empty((b, tq, h, dh)), qkv.new_empty((b, h, tq), dtype=torch.float32)
 
 
 def _attention_setup(ctx, inputs, output):
-    qkv, q, scale, _, _ = inputs
-    ctx.save_for_backward(qkv, q, *output)
+    qkv, q, scale, _, _, *bias = inputs
+    ctx.save_for_backward(qkv, q, *output, *bias)
     ctx.scale = scale
     ctx.mark_non_differentiable(output[1])
     ctx.set_materialize_grads(False)
 
 
 def _attention_backward(ctx, do, _):
-    qkv, q, o, lse = ctx.saved_tensors
+    qkv, q, o, lse, *bias = ctx.saved_tensors
+    bias = bias[0] if bias else None
     if do is None:
-        return None, None, None, None, None
-    dqkv, dq = _call(ctx, _attention_backward_op, qkv, q, o, lse, do.contiguous(), ctx.scale)
-    return dqkv, _none(dq), None, None, None
+        return None, None, None, None, None, None
+    need_dbias = _needs(ctx, 6)[5]
+    dqkv, dq, dbias = _call(ctx, _attention_backward_op, qkv, q, o, lse, do.contiguous(), ctx.scale, bias,
+                            need_dbias)
+    return dqkv, _none(dq), None, None, None, _none(dbias).to(bias.dtype) if need_dbias else None
 
 
 _register_autograd(_attention, _attention_backward, _attention_setup)
@@ -471,32 +475,39 @@ _register_autograd(_attention, _attention_backward, _attention_setup)
 
 @_custom_op("vit_triton::attention_backward")
 def _attention_backward_op(qkv: Tensor, q: Tensor | None, o: Tensor, lse: Tensor, do: Tensor,
-                           scale: float | None) -> tuple[Tensor, Tensor]:
+                           scale: float | None, bias: Tensor | None = None,
+                           need_dbias: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     dqkv = torch.empty_like(qkv)
     q_, k, v = _split(qkv, q)
+    dbias = torch.empty(bias.shape, device=qkv.device, dtype=torch.float32) if need_dbias else None
     if q is None:
         kernels.attention_backward(q_, k, v, o, lse, do, scale=scale, dq=dqkv[:, :, 0], dk=dqkv[:, :, 1],
-                                   dv=dqkv[:, :, 2])
-        return dqkv, _empty(qkv)
-    dq, _, _ = kernels.attention_backward(q_, k, v, o, lse, do, scale=scale, dk=dqkv[:, :, 0], dv=dqkv[:, :, 1])
-    return dqkv, dq.view(q.shape)
+                                   dv=dqkv[:, :, 2], bias=bias, dbias=dbias)
+        return dqkv, _empty(qkv), _out(dbias, qkv)
+    dq, _, _ = kernels.attention_backward(q_, k, v, o, lse, do, scale=scale, dk=dqkv[:, :, 0], dv=dqkv[:, :, 1],
+                                          bias=bias, dbias=dbias)
+    return dqkv, dq.view(q.shape), _out(dbias, qkv)
 
 
 @_attention_backward_op.register_fake
-def _(qkv, q, o, lse, do, scale):
-    return torch.empty_like(qkv), _empty(qkv) if q is None else q.new_empty(q.shape)
+def _(qkv, q, o, lse, do, scale, bias=None, need_dbias=False):
+    dbias = bias.new_empty(bias.shape, dtype=torch.float32) if need_dbias else _empty(qkv)
+    return torch.empty_like(qkv), _empty(qkv) if q is None else q.new_empty(q.shape), dbias
 
 
-def attention(qkv: Tensor, q: Tensor | None = None, *, scale: float | None = None, tf32_input: bool = False,
-              tf32_output: bool = False) -> Tensor:
+def attention(qkv: Tensor, q: Tensor | None = None, *, bias: Tensor | None = None, scale: float | None = None,
+              tf32_input: bool = False, tf32_output: bool = False) -> Tensor:
     """kernels.fused_attention over a packed projection: qkv [B, T, 3, H, Dh] (q, k and v of a transformer
     block, the QKV GEMM's output viewed in place), or kv [B, T, 2, H, Dh] with queries q [1 or B, Tq, H, Dh] (one
     set expanded over the batch: an attention-pool head). Returns o [B, Tq, H, Dh] contiguous. Autograd's gradient
-    of the packed tensor is written by the backward kernels in place, with no concatenation."""
-    if not _via_op(qkv, q):
-        return kernels.fused_attention(*_split(qkv, q), scale=scale, tf32_input=tf32_input, tf32_output=tf32_output)
+    of the packed tensor is written by the backward kernels in place, with no concatenation. bias [H, Tq, T]: each
+    head's scores' bias (BEiT's relative position bias), differentiable: its gradient is summed over the batch."""
+    bias = None if bias is None else bias.contiguous()
+    if not _via_op(qkv, q, bias):
+        return kernels.fused_attention(*_split(qkv, q), scale=scale, tf32_input=tf32_input, tf32_output=tf32_output,
+                                       bias=bias)
     qkv, q = _cast(qkv, qkv, q)
-    return _apply(_attention, qkv, q, scale, tf32_input, tf32_output)[0]
+    return _apply(_attention, qkv, q, scale, tf32_input, tf32_output, bias)[0]
 
 
 # ------------------------------------------------------------------------------------ patch_embed, token_mean

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from tests.kernels.checks import (
     assert_written_in_place, check, each_dtype, empty, nan_filled, rand, raises_value_error, reference, tf32_emulated,
-    tf32_matmuls,
+    tf32_matmuls, torch_grads,
 )
 from tests.numerics import DTYPES, assert_close, rel_err
 from vit_triton.kernels import attention_backward, fused_attention
@@ -229,11 +229,37 @@ def test_every_element_is_written_in_place(dtype):
     (dict(lse=empty(2, 5, 2)), "lse must have shape (2, 2, 5), got (2, 5, 2)"),
     (dict(lse=empty(2, 2, 5, dtype=torch.bfloat16)), "lse must be torch.float32, got torch.bfloat16"),
     (dict(lse=empty(2, 5, 2).transpose(1, 2)), "lse must be contiguous, got strides (10, 1, 2)"),
+    (dict(bias=empty(2, 5, 4)), "bias must have shape (2, 5, 5), got (2, 5, 4)"),
+    (dict(bias=empty(2, 5, 5, dtype=torch.float16)), "bias must be torch.float32, got torch.float16"),
+    (dict(bias=empty(2, 5, 5).transpose(1, 2)), "bias must be contiguous, got strides (25, 1, 5)"),
 ])
 def test_bad_input(change, message):
-    args = dict(zip("qkv", qkv(2, 5, 2, 32, torch.float32)), out=None, scale=None, lse=None) | change
+    args = dict(zip("qkv", qkv(2, 5, 2, 32, torch.float32)), out=None, scale=None, lse=None, bias=None) | change
     with raises_value_error(message):
-        fused_attention(args["q"], args["k"], args["v"], out=args["out"], scale=args["scale"], lse=args["lse"])
+        fused_attention(args["q"], args["k"], args["v"], out=args["out"], scale=args["scale"], lse=args["lse"],
+                        bias=args["bias"])
+
+
+# BEiT's relative position bias: each head's [Tq, Tk] added to its scaled scores, the same for every image; float32
+# (a float32 table under autocast) or the inputs' dtype (a bf16 model's table). SDPA takes it as a float mask.
+
+def biased_attention(q, k, v, bias):
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                          attn_mask=bias.to(q.dtype)).transpose(1, 2)
+
+
+# batch, tokens, heads, head dim, dtype, bias dtype: GRAD_SHAPES' sizes, with a bias of BEiT's magnitudes (N(0, 1))
+BIAS_CASES = [(3, 37, 2, 72, torch.float16, torch.float32), (1, 50, 3, 80, torch.float32, torch.float32),
+              (1, 197, 1, 64, torch.bfloat16, torch.float32), (1, 37, 3, 80, torch.bfloat16, torch.bfloat16)]
+BIAS_IDS = [f"B{b}-T{t}-H{h}-Dh{d}-{str(dt)[6:]}-bias-{str(bt)[6:]}" for b, t, h, d, dt, bt in BIAS_CASES]
+
+
+@pytest.mark.usefixtures("path")
+@pytest.mark.parametrize("batch, tokens, heads, head_dim, dtype, bias_dtype", BIAS_CASES, ids=BIAS_IDS)
+def test_bias(batch, tokens, heads, head_dim, dtype, bias_dtype):
+    q, k, v = qkv(batch, tokens, heads, head_dim, dtype)
+    bias = rand(heads, tokens, tokens, dtype=bias_dtype)
+    check(fused_attention(q, k, v, bias=bias), biased_attention, q, k, v, bias)
 
 
 # The backward. Each test runs the forward with lse=, then attention_backward, against the gradients of SDPA by
@@ -402,9 +428,34 @@ def test_tf32_gradients():
         assert rel_err(tf32_grad, ref) > 100 * rel_err(exact_grad, ref)
 
 
+@pytest.mark.parametrize("batch, tokens, heads, head_dim, dtype, bias_dtype", BIAS_CASES, ids=BIAS_IDS)
+def test_bias_gradients(batch, tokens, heads, head_dim, dtype, bias_dtype):
+    # dq, dk, dv and the bias's gradient (dS summed over the batch; one image's stored straight), NaN-filled first;
+    # with the bias frozen (no dbias), the same dq, dk and dv.
+    q, k, v = qkv(batch, tokens, heads, head_dim, dtype)
+    bias = rand(heads, tokens, tokens, dtype=bias_dtype)
+    do = output_gradient(batch, tokens, heads, head_dim, dtype, strided=True)
+    lse = torch.empty(batch, heads, tokens, device=q.device)
+    o = fused_attention(q, k, v, bias=bias, lse=lse)
+    dbias = nan_filled(heads, tokens, tokens, dtype=torch.float32)
+    grads = attention_backward(q, k, v, o, lse, do, bias=bias, dbias=dbias)
+    refs = reference(lambda *t: torch_grads(biased_attention, *t), do, q, k, v, bias)
+    theirs = torch_grads(biased_attention, do, q, k, v, bias)
+    for ours, ref, their in zip((*grads, dbias), refs, theirs):
+        assert_close(ours, ref, dtype, their)
+    frozen = attention_backward(q, k, v, o, lse, do, bias=bias)
+    assert all(torch.equal(a, b) for a, b in zip(frozen, grads))
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(lse=empty(2, 5, 2)), "lse must have shape (2, 2, 5), got (2, 5, 2)"),
     (dict(lse=empty(2, 2, 5, dtype=torch.bfloat16)), "lse must be torch.float32, got torch.bfloat16"),
+    (dict(dbias=empty(2, 5, 5)), "dbias is the gradient of a bias: give the forward's bias too"),
+    (dict(bias=empty(2, 5, 5), dbias=empty(2, 5, 5, dtype=torch.bfloat16)),
+     "dbias must be torch.float32, got torch.bfloat16"),
+    (dict(bias=empty(2, 5, 5), dbias=empty(2, 5, 4)), "dbias must have shape (2, 5, 5), got (2, 5, 4)"),
+    (dict(bias=empty(2, 5, 5), dbias=empty(2, 5, 5).transpose(1, 2)),
+     "dbias must be contiguous, got strides (25, 1, 5)"),
     (dict(do=empty(2, 4, 2, 32)), "do must have shape (2, 5, 2, 32), got (2, 4, 2, 32)"),
     (dict(do=empty(2, 5, 2, 32, dtype=torch.float16)), "do must be torch.float32, got torch.float16"),
     (dict(o=empty(2, 5, 32, 2).transpose(2, 3)),
@@ -418,7 +469,7 @@ def test_tf32_gradients():
 ])
 def test_backward_bad_input(change, message):
     args = dict(zip("qkv", qkv(2, 5, 2, 32, torch.float32)), o=empty(2, 5, 2, 32), lse=empty(2, 2, 5),
-                do=empty(2, 5, 2, 32), scale=None, dq=None, dk=None, dv=None) | change
+                do=empty(2, 5, 2, 32), scale=None, dq=None, dk=None, dv=None, bias=None, dbias=None) | change
     inputs = [args.pop(name) for name in ("q", "k", "v", "o", "lse", "do")]
     with raises_value_error(message):
         attention_backward(*inputs, **args)

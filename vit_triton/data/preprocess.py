@@ -59,8 +59,8 @@ _HF_PROCESSORS = {
     **{name: dict(do_resize=True, size={"shortest_edge": 224}, resample=3, do_center_crop=True,
                   crop_size={"height": 224, "width": 224}, image_mean=OPENAI_CLIP_MEAN, image_std=OPENAI_CLIP_STD)
        for name in ("CLIPImageProcessor", "BitImageProcessor")},
-    "SiglipImageProcessor": dict(do_resize=True, size={"height": 224, "width": 224}, resample=3,
-                                 do_center_crop=False, crop_size=None),
+    **{name: dict(do_resize=True, size={"height": 224, "width": 224}, resample=3, do_center_crop=False,
+                  crop_size=None) for name in ("SiglipImageProcessor", "BeitImageProcessor")},
     # DINOv3's rescales before it resizes (a float image, never rounded to uint8); here the resize comes first,
     # on uint8 as the others': each pixel within one uint8 step (before normalizing) of transformers'
     "DINOv3ViTImageProcessor": dict(do_resize=True, size={"height": 224, "width": 224}, resample=2,
@@ -70,7 +70,8 @@ _HF_PROCESSORS = {
 # The processor a transformers architecture gets without a preprocessor_config.json, by name prefix.
 _HF_DEFAULT_PROCESSORS = {"DeiT": "DeiTImageProcessor", "CLIP": "CLIPImageProcessor", "Dinov2": "BitImageProcessor",
                           "Siglip": "SiglipImageProcessor", "DINOv3": "DINOv3ViTImageProcessor",
-                          "Aimv2": "CLIPImageProcessor"}
+                          "Aimv2": "CLIPImageProcessor", "Beit": "BeitImageProcessor",
+                          "Data2VecVision": "BeitImageProcessor"}
 OPEN_CLIP_RESIZE_MODES = ("shortest", "squash")
 _HF_COMMON = dict(do_rescale=True, rescale_factor=1 / 255, do_normalize=True,
                   image_mean=IMAGENET_STANDARD_MEAN, image_std=IMAGENET_STANDARD_STD)

@@ -80,13 +80,25 @@ _BACKWARD_TUNER = Tuner("attention_backward", Path(__file__).read_text())
 
 
 @triton.jit
-def _scores(q, k_base, start, T, sk_t, offs_d, mask_d, INPUT_PRECISION: tl.constexpr, QKV_TF32: tl.constexpr,
-            BLOCK: tl.constexpr, MASKED: tl.constexpr):
-    """q k^T for keys start .. start + BLOCK, -inf past T if MASKED."""
+def _bias(s, bias_base, rows, cols, T_Q, T_K, bias_mult, HAS_BIAS: tl.constexpr):
+    """s plus, where HAS_BIAS, bias [T_Q, T_K] (row-major at bias_base) at query `rows` and key `cols` (index tiles
+    broadcast to s's shape) times bias_mult; zero past T_Q or T_K."""
+    if HAS_BIAS:
+        bias = tl.load(bias_base + rows * T_K + cols, mask=(rows < T_Q) & (cols < T_K), other=0.0)
+        s += bias.to(tl.float32) * bias_mult
+    return s
+
+
+@triton.jit
+def _scores(q, k_base, start, T, sk_t, offs_d, mask_d, bias_base, offs_m, T_Q, bias_mult,
+            INPUT_PRECISION: tl.constexpr, QKV_TF32: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+            MASKED: tl.constexpr):
+    """q k^T (+ the bias over the scale, where HAS_BIAS) for keys start .. start + BLOCK, -inf past T if MASKED."""
     offs_n = start + tl.arange(0, BLOCK)
     k_mask = (offs_n < T)[None, :] & mask_d[:, None] if MASKED else mask_d[:, None]
     k = tl.load(k_base + offs_n[None, :] * sk_t + offs_d[:, None], mask=k_mask, other=0.0)
     s = mma(q, k, tl.zeros((q.shape[0], BLOCK), dtype=tl.float32), INPUT_PRECISION, QKV_TF32, QKV_TF32)
+    s = _bias(s, bias_base, offs_m[:, None], offs_n[None, :], T_Q, T, bias_mult, HAS_BIAS)
     if MASKED:
         s = tl.where((offs_n < T)[None, :], s, float("-inf"))
     return s
@@ -103,10 +115,12 @@ def _add_pv(acc, p, v_base, start, T, sv_t, offs_d, mask_d, INPUT_PRECISION: tl.
 
 
 @triton.jit
-def _attend(acc, m_i, l_i, q, k_base, v_base, start, T, sk_t, sv_t, qk_scale, offs_d, mask_d,
-            INPUT_PRECISION: tl.constexpr, QKV_TF32: tl.constexpr, BLOCK: tl.constexpr, MASKED: tl.constexpr):
+def _attend(acc, m_i, l_i, q, k_base, v_base, start, T, sk_t, sv_t, qk_scale, offs_d, mask_d, bias_base, offs_m, T_Q,
+            bias_mult, INPUT_PRECISION: tl.constexpr, QKV_TF32: tl.constexpr, HAS_BIAS: tl.constexpr,
+            BLOCK: tl.constexpr, MASKED: tl.constexpr):
     """One step of the online softmax over keys start .. start + BLOCK (masked past T if MASKED)."""
-    s = _scores(q, k_base, start, T, sk_t, offs_d, mask_d, INPUT_PRECISION, QKV_TF32, BLOCK, MASKED)
+    s = _scores(q, k_base, start, T, sk_t, offs_d, mask_d, bias_base, offs_m, T_Q, bias_mult, INPUT_PRECISION,
+                QKV_TF32, HAS_BIAS, BLOCK, MASKED)
     # The scale (> 0) is applied to the row max, and to each score inside the exponent's FMA.
     m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
     p = exp2(s * qk_scale - m_new[:, None])
@@ -118,18 +132,21 @@ def _attend(acc, m_i, l_i, q, k_base, v_base, start, T, sk_t, sv_t, qk_scale, of
 
 
 @triton.jit
-def _attend_once(q, k_base, v_base, T, sk_t, sv_t, qk_scale, offs_d, mask_d, acc,
-                 INPUT_PRECISION: tl.constexpr, QKV_TF32: tl.constexpr,
+def _attend_once(q, k_base, v_base, T, sk_t, sv_t, qk_scale, offs_d, mask_d, acc, bias_base, offs_m, T_Q, bias_mult,
+                 INPUT_PRECISION: tl.constexpr, QKV_TF32: tl.constexpr, HAS_BIAS: tl.constexpr,
                  KEYS0: tl.constexpr, KEYS1: tl.constexpr, KEYS2: tl.constexpr):
     """The one-pass softmax over all T keys, in pieces KEYS0 >= KEYS1 >= KEYS2 (0: absent; the last
     present one is masked past T). Returns the unnormalised P V, the row max (scaled, base 2) and the row sums of P."""
-    s0 = _scores(q, k_base, 0, T, sk_t, offs_d, mask_d, INPUT_PRECISION, QKV_TF32, KEYS0, KEYS1 == 0)
+    s0 = _scores(q, k_base, 0, T, sk_t, offs_d, mask_d, bias_base, offs_m, T_Q, bias_mult, INPUT_PRECISION, QKV_TF32,
+                 HAS_BIAS, KEYS0, KEYS1 == 0)
     m = tl.max(s0, axis=1)
     if KEYS1 > 0:
-        s1 = _scores(q, k_base, KEYS0, T, sk_t, offs_d, mask_d, INPUT_PRECISION, QKV_TF32, KEYS1, KEYS2 == 0)
+        s1 = _scores(q, k_base, KEYS0, T, sk_t, offs_d, mask_d, bias_base, offs_m, T_Q, bias_mult, INPUT_PRECISION,
+                     QKV_TF32, HAS_BIAS, KEYS1, KEYS2 == 0)
         m = tl.maximum(m, tl.max(s1, axis=1))
     if KEYS2 > 0:
-        s2 = _scores(q, k_base, KEYS0 + KEYS1, T, sk_t, offs_d, mask_d, INPUT_PRECISION, QKV_TF32, KEYS2, True)
+        s2 = _scores(q, k_base, KEYS0 + KEYS1, T, sk_t, offs_d, mask_d, bias_base, offs_m, T_Q, bias_mult,
+                     INPUT_PRECISION, QKV_TF32, HAS_BIAS, KEYS2, True)
         m = tl.maximum(m, tl.max(s2, axis=1))
     m = m * qk_scale   # the scale (> 0) is applied to the row max, and to each score inside the exponent's FMA
     p = exp2(s0 * qk_scale - m[:, None])
@@ -148,12 +165,13 @@ def _attend_once(q, k_base, v_base, T, sk_t, sv_t, qk_scale, offs_d, mask_d, acc
 
 @triton.jit
 def _attention_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
-    T_K, H, T_Q, qk_scale,   # keys, queries
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bias_ptr,
+    T_K, H, T_Q, qk_scale, bias_mult,   # keys, queries; the bias is added to the scores over the scale
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, PDL: tl.constexpr,
     QKV_TF32: tl.constexpr, O_TF32: tl.constexpr,   # q, k, v hold tf32 values already; o stored rounded to tf32
     STORE_LSE: tl.constexpr,   # also store each query row's log-sum-exp (training: the backward's softmax)
+    HAS_BIAS: tl.constexpr,   # add each head's bias [T_Q, T_K] to its scores
     KEYS0: tl.constexpr, KEYS1: tl.constexpr, KEYS2: tl.constexpr,   # one pass over pieces of keys if KEYS0 > 0
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -174,23 +192,26 @@ def _attention_kernel(
     q = tl.load(q_ptrs, mask=(offs_m < T_Q)[:, None] & mask_d[None, :], other=0.0)
     k_base = k_ptr + b * sk_b + h * sk_h
     v_base = v_ptr + b * sv_b + h * sv_h
+    bias_base = bias_ptr + h * T_Q * T_K if HAS_BIAS else bias_ptr
 
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     if KEYS0 > 0:
-        acc, m_i, l_i = _attend_once(q, k_base, v_base, T_K, sk_t, sv_t, qk_scale, offs_d, mask_d, acc,
-                                     INPUT_PRECISION, QKV_TF32, KEYS0, KEYS1, KEYS2)
+        acc, m_i, l_i = _attend_once(q, k_base, v_base, T_K, sk_t, sv_t, qk_scale, offs_d, mask_d, acc, bias_base,
+                                     offs_m, T_Q, bias_mult, INPUT_PRECISION, QKV_TF32, HAS_BIAS, KEYS0, KEYS1, KEYS2)
     else:
         # Whole key blocks without masks, then the last T_K % BLOCK_N keys in blocks of TAIL_N: at 197
         # tokens, 3 x 64 + 16 keys are multiplied instead of 4 x 64.
         whole = T_K - T_K % BLOCK_N
         for start in range(0, whole, BLOCK_N):
             acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_base, v_base, start, T_K, sk_t, sv_t, qk_scale, offs_d,
-                                    mask_d, INPUT_PRECISION, QKV_TF32, BLOCK_N, False)
+                                    mask_d, bias_base, offs_m, T_Q, bias_mult, INPUT_PRECISION, QKV_TF32, HAS_BIAS,
+                                    BLOCK_N, False)
         for start in range(whole, T_K, TAIL_N):
             acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_base, v_base, start, T_K, sk_t, sv_t, qk_scale, offs_d,
-                                    mask_d, INPUT_PRECISION, QKV_TF32, TAIL_N, True)
+                                    mask_d, bias_base, offs_m, T_Q, bias_mult, INPUT_PRECISION, QKV_TF32, HAS_BIAS,
+                                    TAIL_N, True)
 
     start_next_kernel(PDL)
     o = acc / l_i[:, None]
@@ -214,18 +235,22 @@ def fused_attention(
     tf32_output: bool = False,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """softmax(q @ k^T * scale) @ v for q [B, Tq, H, Dh] and k, v [B, Tk, H, Dh]; returns [B, Tq, H, Dh]
+    """softmax(q @ k^T * scale + bias) @ v for q [B, Tq, H, Dh] and k, v [B, Tk, H, Dh]; returns [B, Tq, H, Dh]
     contiguous. q may be one query expanded over the batch (batch stride 0).
 
     scale (positive) defaults to Dh ** -0.5. Head dims from 16 to 256 are accepted. tf32_input (q, k and
     v), tf32_output: see tf32.py; they act only where the matmuls run on tf32. lse: a contiguous float32
-    [B, H, Tq] that receives log2(sum_j exp(scale * q k_j)) of each query row, what attention_backward takes.
+    [B, H, Tq] that receives log2(sum_j exp(scale * q k_j + bias_j)) of each query row, what attention_backward
+    takes. bias: each head's scores' bias [H, Tq, Tk] (the same for every image; BEiT's relative position bias),
+    contiguous, float32 or q's dtype; it adds H*Tq*Tk reads (from L2 after the first image) to the forward.
     """
-    check_device(q, k, v, out, lse)
+    check_device(q, k, v, out, lse, bias)
     B, Tq, Tk, H, Dh = check_inputs(q, k, v, out=out)
     if lse is not None:
         check_lse(lse, (B, H, Tq))
+    check_bias(bias, (H, Tq, Tk), q.dtype)
     if out is None:
         out = torch.empty((B, Tq, H, Dh), device=q.device, dtype=q.dtype)
     scale = check_scale(scale, Dh)
@@ -233,13 +258,14 @@ def fused_attention(
 
     flags = dict(HEAD_DIM=Dh, BLOCK_D=block_d(Dh), INPUT_PRECISION=precision,
                  QKV_TF32=precision == "tf32" and tf32_input, O_TF32=precision == "tf32" and tf32_output,
-                 STORE_LSE=lse is not None, **pdl(q.device, B * H * cdiv(Tq, SMALLEST_BLOCK_M)))
+                 STORE_LSE=lse is not None, HAS_BIAS=bias is not None,
+                 **pdl(q.device, B * H * cdiv(Tq, SMALLEST_BLOCK_M)))
 
     def launch(config: Config, keys: tuple[int, int, int] = (0, 0, 0)) -> None:
         # One axis of programs, which allows 2^31 - 1 (axis 1 allows 65535).
         _attention_kernel[(B * H * cdiv(Tq, config.block_m),)](
-            q, k, v, out, lse,
-            Tk, H, Tq, scale * LOG2E,
+            q, k, v, out, lse, bias,
+            Tk, H, Tq, scale * LOG2E, 1 / scale,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
@@ -252,7 +278,7 @@ def fused_attention(
     if Tk <= ONE_PASS_MAX_T and B * H * cdiv(Tq, ONE_PASS_BLOCK_M) <= ONE_PASS_WAVES * sm_count(q.device):
         launch(ONE_PASS, key_pieces(Tk))
     else:
-        key = (*tuning_sizes(B, H, Tq, Tk), Dh, precision, flags["QKV_TF32"], flags["O_TF32"])
+        key = (*tuning_sizes(B, H, Tq, Tk), Dh, precision, flags["QKV_TF32"], flags["O_TF32"], flags["HAS_BIAS"])
         launch(_TUNER.pick(key, CANDIDATES, launch, q.device))
     return out
 
@@ -276,12 +302,14 @@ def _delta_kernel(o_ptr, do_ptr, delta_ptr, T_Q, H, so_b, so_t, so_h, sdo_b, sdo
 
 
 @triton.jit
-def _dk_dv_step(dk, dv, k, v, key_valid, q_base, do_base, lse_base, delta_base, start, T_Q, sq_t, sdo_t, qk_scale,
-                offs_d, mask_d, INPUT_PRECISION: tl.constexpr, BLOCK: tl.constexpr, MASKED: tl.constexpr,
+def _dk_dv_step(dk, dv, k, v, offs_n, T_K, q_base, do_base, lse_base, delta_base, start, T_Q, sq_t, sdo_t, qk_scale,
+                offs_d, mask_d, bias_base, bias_mult, dbias_base, INPUT_PRECISION: tl.constexpr,
+                HAS_BIAS: tl.constexpr, STORE_DBIAS: tl.constexpr, BLOCK: tl.constexpr, MASKED: tl.constexpr,
                 KEYS_MASKED: tl.constexpr):
-    """dk and dv plus the terms of queries start .. start + BLOCK (masked past T_Q if MASKED; keys where not
-    key_valid if KEYS_MASKED): the program's keys are the rows, so P^T, dP^T and dS^T are computed transposed and
-    no tile of them is transposed."""
+    """dk and dv plus the terms of queries start .. start + BLOCK (masked past T_Q if MASKED; keys offs_n past T_K
+    if KEYS_MASKED): the program's keys are the rows, so P^T, dP^T and dS^T are computed transposed and no tile of
+    them is transposed. STORE_DBIAS: dS^T stored into this image's bias gradient [T_Q, T_K] at dbias_base."""
+    key_valid = offs_n < T_K
     offs_m = start + tl.arange(0, BLOCK)
     valid = offs_m < T_Q
     qt_mask = valid[None, :] & mask_d[:, None] if MASKED else mask_d[:, None]
@@ -292,21 +320,24 @@ def _dk_dv_step(dk, dv, k, v, key_valid, q_base, do_base, lse_base, delta_base, 
     lse = tl.load(lse_base + offs_m, mask=valid, other=float("inf")) if MASKED else tl.load(lse_base + offs_m)
     delta = tl.load(delta_base + offs_m, mask=valid, other=0.0) if MASKED else tl.load(delta_base + offs_m)
     s_t = mma(k, qt, tl.zeros((k.shape[0], BLOCK), dtype=tl.float32), INPUT_PRECISION, False, False)
+    s_t = _bias(s_t, bias_base, offs_m[None, :], offs_n[:, None], T_Q, T_K, bias_mult, HAS_BIAS)
     if KEYS_MASKED:   # P = 0 for a key past T_K: its zeros could give exp(-lse) = inf (a row never stored, but NaN)
         s_t = tl.where(key_valid[:, None], s_t, float("-inf"))
     p_t = exp2(s_t * qk_scale - lse[None, :])
     dv = mma(cast(p_t, do.dtype), do, dv, INPUT_PRECISION, False, False)
     dp_t = mma(v, tl.trans(do), tl.zeros((k.shape[0], BLOCK), dtype=tl.float32), INPUT_PRECISION, False, False)
     ds_t = p_t * (dp_t - delta[None, :])
+    if STORE_DBIAS:
+        tl.store(dbias_base + offs_m[None, :] * T_K + offs_n[:, None], ds_t, mask=valid[None, :] & key_valid[:, None])
     dk = mma(cast(ds_t, qt.dtype), tl.trans(qt), dk, INPUT_PRECISION, False, False)
     return dk, dv
 
 
 @triton.jit
 def _dk_dv(q_base, k_base, v_base, do_base, lse_base, delta_base, dk_base, dv_base, start, T_Q, T_K,
-           sq_t, sk_t, sv_t, sdo_t, sdk_t, sdv_t, scale, qk_scale, offs_d, mask_d,
-           INPUT_PRECISION: tl.constexpr, PDL: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-           MASKED: tl.constexpr):
+           sq_t, sk_t, sv_t, sdo_t, sdk_t, sdv_t, scale, qk_scale, offs_d, mask_d, bias_base, bias_mult, dbias_base,
+           INPUT_PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_DBIAS: tl.constexpr, PDL: tl.constexpr,
+           ROWS: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
     """dK and dV of keys start .. start + ROWS (masked past T_K if MASKED) from every query: whole blocks of
     BLOCK_N queries, then the last T_Q % BLOCK_N in masked blocks of TAIL_N."""
     offs_n = start + tl.arange(0, ROWS)
@@ -317,25 +348,29 @@ def _dk_dv(q_base, k_base, v_base, do_base, lse_base, delta_base, dk_base, dv_ba
     dv = tl.zeros((ROWS, offs_d.shape[0]), dtype=tl.float32)
     whole = T_Q - T_Q % BLOCK_N
     for m in range(0, whole, BLOCK_N):
-        dk, dv = _dk_dv_step(dk, dv, k, v, offs_n < T_K, q_base, do_base, lse_base, delta_base, m, T_Q, sq_t, sdo_t,
-                             qk_scale, offs_d, mask_d, INPUT_PRECISION, BLOCK_N, False, MASKED)
+        dk, dv = _dk_dv_step(dk, dv, k, v, offs_n, T_K, q_base, do_base, lse_base, delta_base, m, T_Q, sq_t, sdo_t,
+                             qk_scale, offs_d, mask_d, bias_base, bias_mult, dbias_base, INPUT_PRECISION, HAS_BIAS,
+                             STORE_DBIAS, BLOCK_N, False, MASKED)
     for m in range(whole, T_Q, TAIL_N):
-        dk, dv = _dk_dv_step(dk, dv, k, v, offs_n < T_K, q_base, do_base, lse_base, delta_base, m, T_Q, sq_t, sdo_t,
-                             qk_scale, offs_d, mask_d, INPUT_PRECISION, TAIL_N, True, MASKED)
+        dk, dv = _dk_dv_step(dk, dv, k, v, offs_n, T_K, q_base, do_base, lse_base, delta_base, m, T_Q, sq_t, sdo_t,
+                             qk_scale, offs_d, mask_d, bias_base, bias_mult, dbias_base, INPUT_PRECISION, HAS_BIAS,
+                             STORE_DBIAS, TAIL_N, True, MASKED)
     start_next_kernel(PDL)
     tl.store(dk_base + offs_n[:, None] * sdk_t + offs_d[None, :], cast(dk * scale, dk_base.dtype.element_ty), mask=mask)
     tl.store(dv_base + offs_n[:, None] * sdv_t + offs_d[None, :], cast(dv, dv_base.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _dq_step(dq, q, do, lse, delta, k_base, v_base, start, T_K, sk_t, sv_t, qk_scale, offs_d, mask_d,
-             INPUT_PRECISION: tl.constexpr, BLOCK: tl.constexpr, MASKED: tl.constexpr):
+def _dq_step(dq, q, do, lse, delta, k_base, v_base, start, T_K, sk_t, sv_t, qk_scale, offs_d, mask_d, bias_base,
+             offs_m, T_Q, bias_mult, INPUT_PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+             MASKED: tl.constexpr):
     """dq plus the terms of keys start .. start + BLOCK (masked past T_K if MASKED)."""
     offs_n = start + tl.arange(0, BLOCK)
     mask = (offs_n < T_K)[None, :] & mask_d[:, None] if MASKED else mask_d[:, None]
     k_t = tl.load(k_base + offs_n[None, :] * sk_t + offs_d[:, None], mask=mask, other=0.0)   # [BLOCK_D, BLOCK]
     v_t = tl.load(v_base + offs_n[None, :] * sv_t + offs_d[:, None], mask=mask, other=0.0)
     s = mma(q, k_t, tl.zeros((q.shape[0], BLOCK), dtype=tl.float32), INPUT_PRECISION, False, False)
+    s = _bias(s, bias_base, offs_m[:, None], offs_n[None, :], T_Q, T_K, bias_mult, HAS_BIAS)
     if MASKED:   # P = 0 past T_K: a zero key's exp(-lse) could overflow, and inf * 0 is NaN in dS K
         s = tl.where((offs_n < T_K)[None, :], s, float("-inf"))
     p = exp2(s * qk_scale - lse[:, None])
@@ -346,9 +381,9 @@ def _dq_step(dq, q, do, lse, delta, k_base, v_base, start, T_K, sk_t, sv_t, qk_s
 
 @triton.jit
 def _dq(q_base, k_base, v_base, do_base, lse_base, delta_base, dq_base, start, T_Q, T_K,
-        sq_t, sk_t, sv_t, sdo_t, sdq_t, scale, qk_scale, offs_d, mask_d,
-        INPUT_PRECISION: tl.constexpr, PDL: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-        MASKED: tl.constexpr):
+        sq_t, sk_t, sv_t, sdo_t, sdq_t, scale, qk_scale, offs_d, mask_d, bias_base, bias_mult,
+        INPUT_PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr, ROWS: tl.constexpr,
+        BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
     """dQ of queries start .. start + ROWS (masked past T_Q if MASKED) from every key: whole blocks of BLOCK_N
     keys, then the last T_K % BLOCK_N in masked blocks of TAIL_N."""
     offs_m = start + tl.arange(0, ROWS)
@@ -361,22 +396,23 @@ def _dq(q_base, k_base, v_base, do_base, lse_base, delta_base, dq_base, start, T
     dq = tl.zeros((ROWS, offs_d.shape[0]), dtype=tl.float32)
     whole = T_K - T_K % BLOCK_N
     for n in range(0, whole, BLOCK_N):
-        dq = _dq_step(dq, q, do, lse, delta, k_base, v_base, n, T_K, sk_t, sv_t, qk_scale, offs_d, mask_d,
-                      INPUT_PRECISION, BLOCK_N, False)
+        dq = _dq_step(dq, q, do, lse, delta, k_base, v_base, n, T_K, sk_t, sv_t, qk_scale, offs_d, mask_d, bias_base,
+                      offs_m, T_Q, bias_mult, INPUT_PRECISION, HAS_BIAS, BLOCK_N, False)
     for n in range(whole, T_K, TAIL_N):
-        dq = _dq_step(dq, q, do, lse, delta, k_base, v_base, n, T_K, sk_t, sv_t, qk_scale, offs_d, mask_d,
-                      INPUT_PRECISION, TAIL_N, True)
+        dq = _dq_step(dq, q, do, lse, delta, k_base, v_base, n, T_K, sk_t, sv_t, qk_scale, offs_d, mask_d, bias_base,
+                      offs_m, T_Q, bias_mult, INPUT_PRECISION, HAS_BIAS, TAIL_N, True)
     start_next_kernel(PDL)
     tl.store(dq_base + offs_m[:, None] * sdq_t + offs_d[None, :], cast(dq * scale, dq_base.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _attention_backward_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr,
-    T_Q, T_K, H, scale, qk_scale,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, bias_ptr, dbias_ptr,
+    T_Q, T_K, H, scale, qk_scale, bias_mult,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sdo_b, sdo_t, sdo_h,
     sdq_b, sdq_t, sdq_h, sdk_b, sdk_t, sdk_h, sdv_b, sdv_t, sdv_h,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, STORE_DBIAS: tl.constexpr,   # the forward's bias; each image's dS stored as its gradient
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
@@ -400,23 +436,27 @@ def _attention_backward_kernel(
     do_base = do_ptr + b * sdo_b + h * sdo_h
     lse_base = lse_ptr + (b * H + h) * T_Q
     delta_base = delta_ptr + (b * H + h) * T_Q
+    bias_base = bias_ptr + h * T_Q * T_K if HAS_BIAS else bias_ptr
+    dbias_base = dbias_ptr + (b * H + h) * T_Q * T_K if STORE_DBIAS else dbias_ptr
     if j < k_whole:
         _dk_dv(q_base, k_base, v_base, do_base, lse_base, delta_base, dk_ptr + b * sdk_b + h * sdk_h,
                dv_ptr + b * sdv_b + h * sdv_h, j * BLOCK_M, T_Q, T_K, sq_t, sk_t, sv_t, sdo_t, sdk_t, sdv_t, scale,
-               qk_scale, offs_d, mask_d, INPUT_PRECISION, PDL, BLOCK_M, BLOCK_N, False)
+               qk_scale, offs_d, mask_d, bias_base, bias_mult, dbias_base, INPUT_PRECISION, HAS_BIAS, STORE_DBIAS,
+               PDL, BLOCK_M, BLOCK_N, False)
     elif j < k_programs:
         _dk_dv(q_base, k_base, v_base, do_base, lse_base, delta_base, dk_ptr + b * sdk_b + h * sdk_h,
                dv_ptr + b * sdv_b + h * sdv_h, k_whole * BLOCK_M + (j - k_whole) * TAIL_N, T_Q, T_K,
-               sq_t, sk_t, sv_t, sdo_t, sdk_t, sdv_t, scale, qk_scale, offs_d, mask_d, INPUT_PRECISION, PDL,
-               TAIL_N, BLOCK_N, True)
+               sq_t, sk_t, sv_t, sdo_t, sdk_t, sdv_t, scale, qk_scale, offs_d, mask_d, bias_base, bias_mult,
+               dbias_base, INPUT_PRECISION, HAS_BIAS, STORE_DBIAS, PDL, TAIL_N, BLOCK_N, True)
     elif j < k_programs + q_whole:
         _dq(q_base, k_base, v_base, do_base, lse_base, delta_base, dq_ptr + b * sdq_b + h * sdq_h,
             (j - k_programs) * BLOCK_M, T_Q, T_K, sq_t, sk_t, sv_t, sdo_t, sdq_t, scale, qk_scale, offs_d, mask_d,
-            INPUT_PRECISION, PDL, BLOCK_M, BLOCK_N, False)
+            bias_base, bias_mult, INPUT_PRECISION, HAS_BIAS, PDL, BLOCK_M, BLOCK_N, False)
     else:
         _dq(q_base, k_base, v_base, do_base, lse_base, delta_base, dq_ptr + b * sdq_b + h * sdq_h,
             q_whole * BLOCK_M + (j - k_programs - q_whole) * TAIL_N, T_Q, T_K, sq_t, sk_t, sv_t, sdo_t, sdq_t,
-            scale, qk_scale, offs_d, mask_d, INPUT_PRECISION, PDL, TAIL_N, BLOCK_N, True)
+            scale, qk_scale, offs_d, mask_d, bias_base, bias_mult, INPUT_PRECISION, HAS_BIAS, PDL, TAIL_N, BLOCK_N,
+            True)
 
 
 def attention_backward(
@@ -432,19 +472,31 @@ def attention_backward(
     dq: torch.Tensor | None = None,
     dk: torch.Tensor | None = None,
     dv: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    dbias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gradients (dq, dk, dv) of o = softmax(q @ k^T * scale) @ v given do = dL/do, from the forward's
-    inputs (as fused_attention took them), its output o [B, Tq, H, Dh] and its lse [B, H, Tq]
+    """The gradients (dq, dk, dv) of o = softmax(q @ k^T * scale + bias) @ v given do = dL/do, from the
+    forward's inputs (as fused_attention took them), its output o [B, Tq, H, Dh] and its lse [B, H, Tq]
     (fused_attention(..., lse=lse)). do: [B, Tq, H, Dh], unit stride along Dh.
 
     dq has q's shape, but [1, Tq, H, Dh] for a q of batch stride 0 (one set of queries expanded over the
     batch): then it is the gradient of that one set, the sum over the batch. dk and dv have k's and v's
     shape. dq, dk, dv may be given (any strides, unit stride along Dh: views of one packed [B, T, 3, H, Dh]
-    buffer, say); every element of them is written. scale and allow_tf32 as for fused_attention.
+    buffer, say); every element of them is written. scale, allow_tf32 and bias as for fused_attention.
+    dbias: a contiguous float32 [H, Tq, Tk] that receives the bias's gradient, dS summed over the batch (each
+    image's dS stored by the kernel, B*H*Tq*Tk floats more written and read, then summed in one reduction).
     """
-    check_device(q, k, v, o, lse, do, dq, dk, dv)
+    check_device(q, k, v, o, lse, do, dq, dk, dv, bias, dbias)
     B, Tq, Tk, H, Dh = check_inputs(q, k, v, o=o, do=do)
     check_lse(lse, (B, H, Tq))
+    check_bias(bias, (H, Tq, Tk), q.dtype)
+    if dbias is not None:
+        if bias is None:
+            raise ValueError("dbias is the gradient of a bias: give the forward's bias too")
+        check_shape("dbias", dbias, (H, Tq, Tk))
+        check_dtype("dbias", dbias, torch.float32)
+        if not dbias.is_contiguous():
+            raise ValueError(f"dbias must be contiguous, got strides {dbias.stride()}")
     summed = q.stride(0) == 0 and B > 1   # dq: the sum over the batch of each image's gradient
     dq_shape = (1 if summed else B, Tq, H, Dh)
     for name, t, shape in (("dq", dq, dq_shape), ("dk", dk, k.shape), ("dv", dv, v.shape)):
@@ -456,6 +508,9 @@ def attention_backward(
     dv = torch.empty((B, Tk, H, Dh), device=q.device, dtype=q.dtype) if dv is None else dv
     # Each image's dq in fp32, summed over the batch in one deterministic reduction after the kernel.
     dq_images = torch.empty((B, Tq, H, Dh), device=q.device, dtype=torch.float32) if summed else dq
+    # Each image's bias gradient likewise: summed after the kernel, stored straight into dbias for one image.
+    dbias_images = dbias if dbias is None or B == 1 else torch.empty((B, H, Tq, Tk), device=q.device,
+                                                                     dtype=torch.float32)
 
     delta = torch.empty((B, H, Tq), device=q.device, dtype=torch.float32)
     delta_programs = B * H * cdiv(Tq, DELTA_BLOCK_M)
@@ -467,20 +522,23 @@ def attention_backward(
     def launch(config: Config) -> None:
         programs = B * H * (backward_programs(Tk, config.block_m) + backward_programs(Tq, config.block_m))
         _attention_backward_kernel[(programs,)](
-            q, k, v, do, lse, delta, dq_images, dk, dv,
-            Tq, Tk, H, scale, scale * LOG2E,
+            q, k, v, do, lse, delta, dq_images, dk, dv, bias, dbias_images,
+            Tq, Tk, H, scale, scale * LOG2E, 1 / scale,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
             dq_images.stride(0), dq_images.stride(1), dq_images.stride(2),
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-            HEAD_DIM=Dh, BLOCK_D=block_d(Dh), INPUT_PRECISION=precision, BLOCK_M=config.block_m,
-            BLOCK_N=config.block_n, num_warps=config.warps, num_stages=config.stages, **pdl(q.device, programs),
+            HEAD_DIM=Dh, BLOCK_D=block_d(Dh), INPUT_PRECISION=precision, HAS_BIAS=bias is not None,
+            STORE_DBIAS=dbias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.warps,
+            num_stages=config.stages, **pdl(q.device, programs),
         )
 
-    key = (*tuning_sizes(B, H, Tq, Tk), Dh, precision)
+    key = (*tuning_sizes(B, H, Tq, Tk), Dh, precision, bias is not None, dbias is not None)
     launch(_BACKWARD_TUNER.pick(key, BACKWARD_CANDIDATES, launch, q.device))
     if summed:
         dq.copy_(dq_images.sum(0, keepdim=True))
+    if dbias_images is not dbias:
+        torch.sum(dbias_images, 0, out=dbias)
     return dq, dk, dv
 
 
@@ -524,6 +582,18 @@ def check_lse(lse: torch.Tensor, shape: tuple[int, int, int]) -> None:
     check_dtype("lse", lse, torch.float32)
     if not lse.is_contiguous():
         raise ValueError(f"lse must be contiguous, got strides {lse.stride()}")
+
+
+def check_bias(bias: torch.Tensor | None, shape: tuple[int, int, int], dtype: torch.dtype) -> None:
+    """bias (None: absent): each head's scores' bias [H, Tq, Tk], contiguous, float32 or the inputs' dtype."""
+    if bias is None:
+        return
+    check_shape("bias", bias, shape)
+    allowed = dict.fromkeys((torch.float32, dtype))
+    if bias.dtype not in allowed:
+        raise ValueError(f"bias must be {' or '.join(map(str, allowed))}, got {bias.dtype}")
+    if not bias.is_contiguous():
+        raise ValueError(f"bias must be contiguous, got strides {bias.stride()}")
 
 
 def check_scale(scale: float | None, head_dim: int) -> float:

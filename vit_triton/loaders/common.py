@@ -25,6 +25,14 @@ def square(size: int | list | tuple, name: str) -> int:
     raise ValueError(f"unsupported {name} {size!r}; supported: square (an int or two equal sides)")
 
 
+def refuse(features: dict[str, bool], what: str) -> None:
+    """ValueError naming each present feature of `features` ({description: present}): what a `what` model (e.g.
+    "timm Beit") has that vit-triton does not compute."""
+    found = [feature for feature, present in features.items() if present]
+    if found:
+        raise ValueError(f"unsupported {what} feature: {'; '.join(found)}")
+
+
 def rename(keys: Iterable[str], rules: list[tuple[str, str]]) -> dict[str, str]:
     """{source key: our key} for each key that a (regex, replacement) rule matches in full."""
     mapping = {}

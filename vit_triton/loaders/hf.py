@@ -3,7 +3,8 @@ vision tower (with its projection), SigLIP's (with its attention-pool head), ViT
 tower (with its attention-pool head and, in an Aimv2Model, its projection); the vision towers of vision-language
 models, which have no pooling head: SigLIP's without it (vision_use_head=False: PaliGemma), Idefics3's and SmolVLM's
 (at any size without their patch masks, each patch's position row picked as theirs are: pos_resample "bucket") and
-InternVL's (LayerScale, LayerNorm or RMSNorm; not its QK-norm); and transformers' TimmWrapperModel, a timm model
+InternVL's (LayerScale, LayerNorm or RMSNorm; not its QK-norm); BEiT's and data2vec-vision's (a relative position
+bias table in every block or one shared, LayerScale, no key bias); and transformers' TimmWrapperModel, a timm model
 inside, converted as from_timm converts it.
 
 Keys come in the hub's spellings (transformers 4: encoder.layer.N.attention.attention.query,
@@ -14,8 +15,10 @@ and ls2; a gated MLP (DINOv3's gate_proj and up_proj, DINOv2 ViT-g's packed weig
 with gate and value rows interleaved; SigLIP's head (probe, attention.in_proj,
 out_proj, layernorm, mlp) becomes attn_pool (latent, q and kv, proj, norm, mlp); AIMv2's (cls_token, k_proj and
 v_proj, output_proj) attn_pool's latent, kv and proj, and its embeddings' rms_norm embed_norm; InternVL's
-projection_layer proj and lambda_1, lambda_2 ls1, ls2. Not part of our forward:
-ViTModel's pooler (dense + tanh over the class token), mask tokens, the text tower of a CLIPModel or SiglipModel
+projection_layer proj and lambda_1, lambda_2 ls1, ls2 (BEiT's too); BEiT's relative_position_bias_table (a
+block's, or the shared one) rel_pos_table, and its pooler's LayerNorm fc_norm. Not part of our forward:
+ViTModel's pooler (dense + tanh over the class token), mask tokens, BEiT's relative position index (computed
+from the grid), the text tower of a CLIPModel or SiglipModel
 checkpoint and ViT-MAE's decoder. DeiT is ViT with a distillation token after the class token, and with a
 teacher, a second classifier on it (cls_classifier -> head, distillation_classifier -> head_dist). DINOv2's
 classifiers (Dinov2ForImageClassification) read the class token and the mean of the patch tokens: those whose mean
@@ -30,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from ..model import ViT, ViTConfig
-from .common import Mapped, Unmapped, build, expand, mlp_ratio, square
+from .common import Mapped, Unmapped, build, expand, mlp_ratio, refuse, square
 from .timm import from_timm
 
 _ACTIVATIONS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
@@ -50,12 +53,13 @@ ARCHITECTURES = {
     "Aimv2VisionModel": "aimv2_vision_model", "Aimv2Model": "aimv2",
     "Idefics3VisionTransformer": "idefics3_vision", "SmolVLMVisionTransformer": "smolvlm_vision",
     "InternVLVisionModel": "internvl_vision",
+    "BeitModel": "beit", "BeitForImageClassification": "beit",
+    "Data2VecVisionModel": "data2vec-vision", "Data2VecVisionForImageClassification": "data2vec-vision",
 }
 # transformers' wrappers of a timm model (model.timm_model), converted as from_timm converts it.
 TIMM_WRAPPERS = ("TimmWrapperModel", "TimmWrapperForImageClassification")
 # Encoders refused for what the attention kernel does not compute, by model_type.
-_REFUSED = {"beit": "relative position bias", "data2vec-vision": "relative position bias",
-            "sam": "windowed attention with relative position bias",
+_REFUSED = {"sam": "windowed attention with relative position bias",
             "sam_vision_model": "windowed attention with relative position bias"}
 # Models of two towers, whose config.json describes the vision encoder in its vision_config.
 _TWO_TOWERS = ("clip", "siglip", "aimv2")
@@ -68,14 +72,16 @@ _POS_RESAMPLES = {"dinov2": "bicubic_float32", "dinov2_with_registers": "bicubic
 _SIGLIP_LIKE = ("siglip_vision_model", "idefics3_vision", "smolvlm_vision")
 # What each returns as the image embedding (ViT.embedding): CLIP's projected class token where it has one.
 _PROJECTED = ("CLIPVisionModelWithProjection", "CLIPModel", "Aimv2Model")
+# BEiT and the encoder made from it: a relative position bias, q and v biases without k's, pooling by use_mean_pooling.
+_BEIT_LIKE = ("beit", "data2vec-vision")
 # Classifiers of [class token, mean of the patch tokens] (2 D columns).
 _PATCH_MEAN_HEADS = ("Dinov2ForImageClassification", "Dinov2WithRegistersForImageClassification")
 
 _LAYER = r"(?:encoder\.layers?|layers|(?:model\.)?layer)\.(\d+)\."
 _ATTENTION = r"(?:attention\.(?:attention\.)?|self_attn\.)"
 # ViTForImageClassification nests the model under "vit." (DeiT: "deit.", DINOv2: "dinov2.",
-# "dinov2_with_registers."), CLIP under "vision_model."
-_PREFIX = r"(?:vit\.|deit\.|dinov2\.|dinov2_with_registers\.|vision_model\.)?"
+# "dinov2_with_registers.", BEiT: "beit.", data2vec-vision: "data2vec_vision."), CLIP under "vision_model."
+_PREFIX = r"(?:vit\.|deit\.|dinov2\.|dinov2_with_registers\.|beit\.|data2vec_vision\.|vision_model\.)?"
 _RULES = [(_PREFIX + pattern, repl) for pattern, repl in [
     (r"embeddings\.(?:cls_token|class_embedding)", "cls_token"),
     (r"embeddings\.distillation_token", "distillation_token"),
@@ -98,6 +104,10 @@ _RULES = [(_PREFIX + pattern, repl) for pattern, repl in [
     (_LAYER + r"(?:mlp|ffn)\.up_proj\.(weight|bias)", r"blocks.\1.up.\2"),
     (_LAYER + r"layer_scale([12])\.lambda1", r"blocks.\1.ls\2"),
     (_LAYER + r"lambda_([12])", r"blocks.\1.ls\2"),
+    (_LAYER + r"(?:attention\.attention\.)?relative_position_bias\.relative_position_bias_table",
+     r"blocks.\1.rel_pos_table"),
+    (r"(?:encoder\.relative_position_bias|shared_position_bias)\.relative_position_bias_table", "rel_pos_table"),
+    (r"pooler\.layernorm\.(weight|bias)", r"fc_norm.\1"),
     (r"(?:layernorm|post_layernorm|norm|rms_norm)\.(weight|bias)", r"norm.\1"),
     (r"head\.(?:probe|cls_token)", "attn_pool.latent"),
     (r"head\.([kv])_proj\.(weight|bias)", r"attn_pool.\1.\2"),
@@ -109,9 +119,10 @@ _RULES = [(_PREFIX + pattern, repl) for pattern, repl in [
 ]] + [(r"(?:cls_)?classifier\.(weight|bias)", r"head.\1"),
        (r"distillation_classifier\.(weight|bias)", r"head_dist.\1"),
        (r"visual_projection\.weight", "proj.weight")]
-# Not in our forward: the pooler, mask tokens, position ids, a CLIP checkpoint's text tower, MAE's decoder.
+# Not in our forward: the pooler, mask tokens, position ids, BEiT's relative position index, a CLIP checkpoint's text
+# tower, MAE's decoder.
 _UNUSED = [(_PREFIX + r"(?:pooler\.dense\.(?:weight|bias)|embeddings\.mask_token"
-            r"|embeddings\.position_ids)", ""),
+            r"|embeddings\.position_ids|(?:.*\.)?relative_position_index)", ""),
            (r"(?:(?:text_model\.|decoder\.).*|text_projection\.weight|logit_scale|logit_bias)", "")]
 
 
@@ -133,11 +144,12 @@ def vision_config(config: dict) -> dict:
     return config
 
 
-def hf_config_to_vit(config: dict, num_classes: int = 0, head_dist: bool = False,
-                     projection: bool = False) -> ViTConfig:
+def hf_config_to_vit(config: dict, num_classes: int = 0, head_dist: bool = False, projection: bool = False,
+                     pooler_norm: bool = True) -> ViTConfig:
     """ViTConfig from a transformers config (config.json as a dict; a CLIPModel's is read through its
-    vision_config); the head size, whether there is a distillation head (DeiTForImageClassificationWithTeacher)
-    and whether the image embedding is projected (CLIP with projection) are separate."""
+    vision_config); the head size, whether there is a distillation head (DeiTForImageClassificationWithTeacher),
+    whether the image embedding is projected (CLIP with projection) and whether BEiT's pooler has its LayerNorm
+    (Data2VecVisionModel's has none unless built with add_pooling_layer) are separate."""
     config = vision_config(config)
     model_type = config.get("model_type")
     families = sorted(set(ARCHITECTURES.values()) - set(_TWO_TOWERS))
@@ -150,6 +162,8 @@ def hf_config_to_vit(config: dict, num_classes: int = 0, head_dist: bool = False
         return _aimv2_config(config, projection)
     if model_type == "internvl_vision":
         return _internvl_config(config, num_classes)
+    if model_type in _BEIT_LIKE:
+        return _beit_config(config, num_classes, pooler_norm)
     clip, dinov2, siglip = (model_type == "clip_vision_model", model_type.startswith("dinov2"),
                             model_type in _SIGLIP_LIKE)
     act = config.get("hidden_act", "quick_gelu" if clip else "gelu_pytorch_tanh" if siglip else "gelu")
@@ -180,6 +194,16 @@ def hf_config_to_vit(config: dict, num_classes: int = 0, head_dist: bool = False
     )
 
 
+def _sizes(config: dict, image_size: int, patch_size: int) -> dict:
+    """The config's size fields from a transformers vision config, with the family's image_size and patch_size where
+    config.json leaves them out."""
+    return dict(image_size=square(config.get("image_size", image_size), "image_size"),
+                patch_size=square(config.get("patch_size", patch_size), "patch_size"),
+                in_chans=config.get("num_channels", 3), embed_dim=config["hidden_size"],
+                depth=config["num_hidden_layers"], num_heads=config["num_attention_heads"],
+                mlp_dim=config["intermediate_size"])
+
+
 def _dinov3_config(config: dict) -> ViTConfig:
     """DINOv3ViTModel: no absolute position embedding but rotary tables (transformers' own, half pairs), the class
     token and registers unrotated, a bias-free key projection, LayerScale, and a gated MLP in the "plus" sizes;
@@ -190,11 +214,7 @@ def _dinov3_config(config: dict) -> ViTConfig:
     if not gated and act not in _ACTIVATIONS:
         raise ValueError(f"unsupported hidden_act {act!r}; supported: {', '.join(_ACTIVATIONS)}")
     return ViTConfig(
-        image_size=square(config.get("image_size", 224), "image_size"),
-        patch_size=square(config["patch_size"], "patch_size"), in_chans=config.get("num_channels", 3),
-        embed_dim=config["hidden_size"], depth=config["num_hidden_layers"], num_heads=config["num_attention_heads"],
-        mlp_dim=config["intermediate_size"],
-        qkv_bias=any(config.get(k, True) for k in ("query_bias", "key_bias", "value_bias")),
+        **_sizes(config, 224, 16), qkv_bias=any(config.get(k, True) for k in ("query_bias", "key_bias", "value_bias")),
         norm_eps=config.get("layer_norm_eps", 1e-5), act="swiglu" if gated else _ACTIVATIONS[act],
         reg_tokens=config.get("num_register_tokens", 0), abs_pos_embed=False,
         proj_bias=config.get("proj_bias", True), mlp_bias=config.get("mlp_bias", True),
@@ -218,10 +238,7 @@ def _aimv2_config(config: dict, projection: bool) -> ViTConfig:
                          "the attention-pool head")
     qkv_bias = config.get("qkv_bias", False)
     return ViTConfig(
-        image_size=square(config.get("image_size", 224), "image_size"),
-        patch_size=square(config.get("patch_size", 14), "patch_size"), in_chans=config.get("num_channels", 3),
-        embed_dim=config["hidden_size"], depth=config["num_hidden_layers"], num_heads=config["num_attention_heads"],
-        mlp_dim=config["intermediate_size"], qkv_bias=qkv_bias, norm_eps=config.get("rms_norm_eps", 1e-5),
+        **_sizes(config, 224, 14), qkv_bias=qkv_bias, norm_eps=config.get("rms_norm_eps", 1e-5),
         act="swiglu", class_token=False, norm="rmsnorm", proj_bias=qkv_bias, mlp_bias=config.get("mlp_bias", False),
         embed_norm=True, pos_sincos=config.get("is_native", False), pos_resample="bicubic_float32_antialias",
         proj_dim=config["projection_dim"] if projection else 0,
@@ -246,18 +263,38 @@ def _internvl_config(config: dict, num_classes: int) -> ViTConfig:
             rms and not mean,
         f"hidden_act {act!r} (supported: {', '.join(_ACTIVATIONS)})": act not in _ACTIVATIONS,
     }
-    found = [what for what, present in unsupported.items() if present]
-    if found:
-        raise ValueError(f"unsupported InternVL vision feature: {'; '.join(found)}")
+    refuse(unsupported, "InternVL vision")
     return ViTConfig(
-        image_size=square(config.get("image_size", 448), "image_size"),
-        patch_size=square(config.get("patch_size", 14), "patch_size"), in_chans=config.get("num_channels", 3),
-        embed_dim=config["hidden_size"], depth=config["num_hidden_layers"], num_heads=config["num_attention_heads"],
-        mlp_dim=config["intermediate_size"], qkv_bias=config.get("attention_bias", False),
+        **_sizes(config, 448, 14), qkv_bias=config.get("attention_bias", False),
         norm_eps=config.get("layer_norm_eps", 1e-6), act=_ACTIVATIONS[act], final_norm=not mean,
         pool="avg" if mean else "token", num_classes=num_classes,
         abs_pos_embed=config.get("use_absolute_position_embeddings", True), pos_resample="bicubic",
         norm="rmsnorm" if rms else "layernorm", layer_scale=True,
+    )
+
+
+def _beit_config(config: dict, num_classes: int, pooler_norm: bool) -> ViTConfig:
+    """BeitModel and Data2VecVisionModel (transformers' defaults where config.json leaves them out): q and v with
+    biases, k without, LayerScale (lambda_1, lambda_2) unless layer_scale_init_value is 0, a relative position bias
+    table in every block (use_relative_position_bias) or one shared (use_shared_relative_position_bias), an
+    absolute position embedding with use_absolute_position_embeddings. pooler_output, with use_mean_pooling, is
+    the mean of the patch tokens, then the pooler's LayerNorm where there is one (pooler_norm), else the class token
+    after the final LayerNorm."""
+    act, mean = config.get("hidden_act", "gelu"), config.get("use_mean_pooling", True)
+    tables = {"block": config.get("use_relative_position_bias", False),
+              "shared": config.get("use_shared_relative_position_bias", False)}
+    unsupported = {
+        "use_relative_position_bias with use_shared_relative_position_bias (a table in every block and a shared "
+        "one, both added to the scores)": all(tables.values()),
+        f"hidden_act {act!r} (supported: {', '.join(_ACTIVATIONS)})": act not in _ACTIVATIONS,
+    }
+    refuse(unsupported, config["model_type"])
+    return ViTConfig(
+        **_sizes(config, 224, 16), norm_eps=config.get("layer_norm_eps", 1e-12), act=_ACTIVATIONS[act],
+        final_norm=pooler_norm or not mean, fc_norm=mean and pooler_norm, pool="avg" if mean else "token",
+        num_classes=num_classes, abs_pos_embed=config.get("use_absolute_position_embeddings", False),
+        pos_resample="bicubic", layer_scale=config.get("layer_scale_init_value", 0.1) > 0, key_bias=False,
+        rel_pos_bias=next((kind for kind, present in tables.items() if present), "none"),
     )
 
 
@@ -269,7 +306,10 @@ def hf_num_classes(state_dict: dict[str, torch.Tensor]) -> int:
 
 
 def biasless_projections(config: dict) -> str:
-    """Which of q, k, v a transformers config makes without bias while the others have one (DINOv3's key)."""
+    """Which of q, k, v a transformers config makes without bias while the others have one (DINOv3's key, BEiT's
+    always)."""
+    if config.get("model_type") in _BEIT_LIKE:
+        return "k"
     flags = {n: config.get(f"{name}_bias", True) for n, name in zip("qkv", ("query", "key", "value"))}
     return "".join(n for n, f in flags.items() if not f) if any(flags.values()) else ""
 
@@ -325,7 +365,8 @@ def hf_architecture_to_vit(architecture: str, config: dict, state_dict: dict[str
         raise ValueError(f"unsupported transformers architecture {architecture}; supported: "
                          f"{', '.join(HF_ARCHITECTURES)}")
     cfg = hf_config_to_vit(config, num_classes, head_dist=architecture.endswith("WithTeacher"),
-                           projection=architecture in _PROJECTED or "visual_projection.weight" in state_dict)
+                           projection=architecture in _PROJECTED or "visual_projection.weight" in state_dict,
+                           pooler_norm=any(k.endswith("pooler.layernorm.weight") for k in state_dict))
     return cfg, hf_state_dict_to_vit(state_dict, cfg, biasless_projections(vision_config(config)),
                                      architecture in _PATCH_MEAN_HEADS)
 
@@ -357,6 +398,8 @@ _WRITTEN_AS = {
     "siglip_vision_model": ("SiglipVisionModel", None), "aimv2_vision_model": ("Aimv2VisionModel", None),
     "idefics3_vision": ("Idefics3VisionTransformer", None), "smolvlm_vision": ("SmolVLMVisionTransformer", None),
     "internvl_vision": ("InternVLVisionModel", None),
+    "beit": ("BeitModel", "BeitForImageClassification"),
+    "data2vec-vision": ("Data2VecVisionModel", "Data2VecVisionForImageClassification"),
 }
 # The keys of each family's encoder as transformers' save_pretrained writes them (the hub's spelling): {i} is each
 # block, (a|b) either, {mlp} DINOv2's MLP (fc1 and fc2, or SwiGLU's weights_in and weights_out). vit_to_hf_state_dict
@@ -373,6 +416,12 @@ _DINOV2_LAYOUT = ["embeddings.(cls_token|register_tokens|position_embeddings)",
                   "encoder.layer.{i}.layer_scale(1|2).lambda1", "layernorm.(weight|bias)"]
 _SIGLIP_LAYOUT = ["embeddings.(patch_embedding.(weight|bias)|position_embedding.weight)", _CLIP_BLOCKS,
                   "post_layernorm.(weight|bias)"]
+_BEIT_LAYOUT = ["embeddings.(cls_token|position_embeddings|patch_embeddings.projection.(weight|bias))",
+                "encoder.layer.{i}.attention.attention.key.weight",   # no key bias
+                "encoder.layer.{i}.(attention.(attention.(query|value)|output.dense)|layernorm_(before|after)"
+                "|intermediate.dense|output.dense).(weight|bias)", "encoder.layer.{i}.lambda_(1|2)",
+                "encoder.(layer.{i}.attention.attention.|)relative_position_bias.relative_position_bias_table",
+                "(pooler.|)layernorm.(weight|bias)"]
 _LAYOUTS = {
     "vit": _VIT_LAYOUT, "vit_mae": _VIT_LAYOUT, "deit": _VIT_LAYOUT,
     "dinov2": _DINOV2_LAYOUT, "dinov2_with_registers": _DINOV2_LAYOUT,
@@ -388,6 +437,7 @@ _LAYOUTS = {
     "internvl_vision": ["embeddings.(cls_token|position_embeddings|patch_embeddings.projection.(weight|bias))",
                         "encoder.layer.{i}.(attention.((q|k|v)_proj|projection_layer)|layernorm_(before|after)"
                         "|mlp.fc(1|2)).(weight|bias)", "encoder.layer.{i}.lambda_(1|2)", "layernorm.(weight|bias)"],
+    "beit": _BEIT_LAYOUT, "data2vec-vision": _BEIT_LAYOUT,
     "aimv2_vision_model": ["embeddings.(patch_embed.(weight|bias)|position_embedding.weight|rms_norm.weight)",
                            "encoder.layers.{i}.(attention.(q|k|v|out)_proj|rms_norm(1|2)|ffn.(gate|up|down)_proj)"
                            ".(weight|bias)", "rms_norm.weight",
@@ -397,7 +447,8 @@ _LAYOUTS = {
 _PREFIXES = {"ViTForImageClassification": "vit.", "DeiTForImageClassification": "deit.",
              "DeiTForImageClassificationWithTeacher": "deit.", "Dinov2ForImageClassification": "dinov2.",
              "Dinov2WithRegistersForImageClassification": "dinov2_with_registers.",
-             "CLIPVisionModelWithProjection": "vision_model."}
+             "CLIPVisionModelWithProjection": "vision_model.", "BeitForImageClassification": "beit.",
+             "Data2VecVisionForImageClassification": "data2vec_vision."}
 _HIDDEN_ACTS = {ours: theirs for theirs, ours in reversed(_ACTIVATIONS.items())}   # the first spelling of each
 # Families whose tables are nn.Embedding weights [T, D] (and CLIP's class token one vector [D]), not [1, T, D].
 _UNBATCHED = ("clip_vision_model", "aimv2_vision_model", *_SIGLIP_LIKE)
@@ -415,6 +466,8 @@ def written_architecture(source: str, cfg: ViTConfig) -> str:
     if family == "clip_vision_model" and cfg.proj_dim:
         return "CLIPVisionModelWithProjection"
     bare, classifier = _WRITTEN_AS[family]
+    if family in _BEIT_LIKE and cfg.pool == "avg" and not cfg.fc_norm:   # BEiT's classifier norms the patch mean
+        classifier = None
     return classifier if cfg.num_classes and classifier else bare
 
 
@@ -449,6 +502,13 @@ def vit_to_hf_config(cfg: ViTConfig, architecture: str, id2label: dict[int, str]
         del config["qkv_bias"]
         config.update(attention_bias=cfg.qkv_bias, norm_type="rms_norm" if cfg.norm == "rmsnorm" else "layer_norm",
                       use_mean_pooling=cfg.pool == "avg", use_absolute_position_embeddings=cfg.abs_pos_embed)
+    elif model_type in _BEIT_LIKE:
+        del config["qkv_bias"]
+        # layer_scale_init_value: any but 0 (none), the lambdas are the weights'
+        config.update(use_absolute_position_embeddings=cfg.abs_pos_embed, use_mean_pooling=cfg.pool == "avg",
+                      use_relative_position_bias=cfg.rel_pos_bias == "block",
+                      use_shared_relative_position_bias=cfg.rel_pos_bias == "shared",
+                      layer_scale_init_value=1.0 if cfg.layer_scale else 0.0)
     elif model_type in ("clip_vision_model", *_SIGLIP_LIKE):
         del config["qkv_bias"]
         if model_type == "siglip_vision_model":
@@ -469,7 +529,7 @@ def vit_to_hf_state_dict(state_dict: dict[str, torch.Tensor], cfg: ViTConfig,
     DINOv2 classifier's mean half zero. A head the architecture has no place for goes beside it (_WRITTEN_AS)."""
     model_type, d = ARCHITECTURES[architecture], cfg.embed_dim
     t = Unmapped(state_dict)
-    if cfg.fc_norm:
+    if cfg.fc_norm and model_type not in _BEIT_LIKE:   # CLIP's post_layernorm; BEiT's pooler has a LayerNorm of its own
         t.move("fc_norm", "norm")
     for name in ("weight", "bias"):
         if cfg.pool_query_proj:

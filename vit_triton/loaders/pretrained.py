@@ -7,7 +7,8 @@ loaders/timm.py, its ViTConfig read from the tensors' shapes, as timm's config.j
 arguments that differ from the architecture's defaults; an OpenCLIP one (open_clip_config.json) through
 loaders/open_clip.py. The exceptions, read from the architecture timm builds on the meta device (timm needed): a
 timm Eva (EVA02, the RoPE ViTs, DINOv3, Perception Encoder), whose rotary settings neither its tensors nor its
-config.json show, and an OpenCLIP tower whose trunk is a timm model (EVA02-CLIP, PE-Core, SigLIP). transformers'
+config.json show, a timm Beit (BEiT, BEiT v2), whose architecture sets its pooling and norms, and an OpenCLIP tower
+whose trunk is a timm model (EVA02-CLIP, PE-Core, SigLIP). transformers'
 TimmWrapperModel saves a timm checkpoint (config.json with an "architecture") with its keys under timm_model.
 """
 
@@ -30,7 +31,7 @@ from .timm import timm_config_to_vit, timm_meta_model, timm_refusal, timm_state_
 __all__ = ["CheckpointInfo", "CheckpointNotFound", "SUPPORTED", "from_pretrained", "read_checkpoint"]
 
 TIMM_ARCHITECTURES = ("timm VisionTransformer and VisionTransformerDistilled (vit_*, deit_*, deit3_*, aimv2_*), Eva "
-                      "(eva02_*, vit_*_rope_*, vit_*_dinov3, vit_pe_core_*)")
+                      "(eva02_*, vit_*_rope_*, vit_*_dinov3, vit_pe_core_*), Beit (beit_*, beitv2_*)")
 SUPPORTED = (f"transformers {', '.join(HF_ARCHITECTURES + TIMM_WRAPPERS)}; {TIMM_ARCHITECTURES}; OpenCLIP ViT "
              f"towers (their own, or a timm trunk of those)")
 
@@ -149,17 +150,21 @@ _TIMM_UNSUPPORTED = {
 }
 
 
-def _timm_eva(architecture: str, config: dict, num_classes: int) -> ViTConfig | None:
-    """The config of a timm Eva architecture, built by timm on the meta device with the checkpoint's model_args and
-    the weights' num_classes; None for an architecture that is not an Eva."""
+# The timm families whose config is read from the model timm builds, by their module, and their architectures' names.
+_TIMM_BUILT = {"timm.models.eva": r"eva|vit_.*_(rope|dinov3)|vit_pe_", "timm.models.beit": r"beit"}
+
+
+def _timm_built(architecture: str, config: dict, num_classes: int) -> ViTConfig | None:
+    """The config of a timm Eva or Beit architecture, built by timm on the meta device with the checkpoint's
+    model_args and the weights' num_classes; None for an architecture of another family."""
     try:
         import timm
     except ImportError:
-        if re.match(r"eva|vit_.*_(rope|dinov3)|vit_pe_", architecture):
-            raise ImportError(f"{architecture} is a timm Eva, whose rotary settings come from timm's registry: "
+        if any(re.match(names, architecture) for names in _TIMM_BUILT.values()):
+            raise ImportError(f"{architecture} is a timm Eva or Beit, whose settings come from timm's registry: "
                               f"pip install timm") from None
         return None
-    if not timm.is_model(architecture) or timm.models.model_entrypoint(architecture).__module__ != "timm.models.eva":
+    if not timm.is_model(architecture) or timm.models.model_entrypoint(architecture).__module__ not in _TIMM_BUILT:
         return None
     args = {**(config.get("model_args") or {}), "num_classes": num_classes}
     size = (config.get("pretrained_cfg") or {}).get("input_size")
@@ -180,7 +185,7 @@ def timm_checkpoint(source: str, config: dict,
     if config.get("model_type") == "timm_wrapper":
         state_dict = {k.removeprefix("timm_model."): v for k, v in state_dict.items()}
     num_classes = state_dict["head.weight"].shape[0] if "head.weight" in state_dict else 0
-    cfg = _timm_eva(architecture, config, num_classes)
+    cfg = _timm_built(architecture, config, num_classes)
     if cfg is None and (not re.match(r"(vit|deit3?|aimv2)_", architecture)
                         or "patch_embed.proj.weight" not in state_dict):
         raise _unsupported(f"{architecture} (timm){_timm_refusal(architecture)}")

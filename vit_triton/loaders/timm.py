@@ -1,5 +1,5 @@
 """timm VisionTransformer (and DeiT's VisionTransformerDistilled; AIMv2's, with RmsNorm, SwiGLU and a norm in the
-patch embedding) and Eva (EVA02, the RoPE ViTs, DINOv3) -> vit-triton.
+patch embedding), Eva (EVA02, the RoPE ViTs, DINOv3) and Beit (BEiT, BEiT v2) -> vit-triton.
 
 timm's names are ours but for the nesting (attn.qkv -> qkv, mlp.fc1 -> fc1, patch_embed.proj ->
 patch_embed, patch_embed.norm -> embed_norm), the prefix tokens (cls_token, dist_token and reg_token become the
@@ -8,7 +8,9 @@ the leading batch dimension of pos_embed. LayerScale (ls1.gamma, ls2.gamma: DeiT
 becomes the blocks' ls1 and ls2. Eva's separate q, k, v projections (or q_bias and v_bias beside a bias-free qkv)
 join into one qkv with k's bias zero; a gated MLP's two halves (GluMlp's packed fc1, gate first, or SwiGLU's fc1_g
 and fc1_x) become one fc1 with its gate and value rows interleaved; the rotary embedding's settings become the
-config's rope fields, and RoPE-mixed's learned frequencies rope_freqs.
+config's rope fields, and RoPE-mixed's learned frequencies rope_freqs. Beit's relative position bias tables (every
+block's attn.relative_position_bias_table, or the shared rel_pos_bias') become rel_pos_table; their index buffers,
+which older checkpoints hold, are not read.
 
 vit_to_timm is the way back: our config and state dict as a timm architecture's model_args and state dict, named
 by the same rules after the keys of the model timm builds (on the meta device).
@@ -20,7 +22,7 @@ import torch
 from torch import nn
 
 from ..model import ViT, ViTConfig
-from .common import Mapped, Unmapped, build, check_written, mlp_ratio
+from .common import Mapped, Unmapped, build, check_written, mlp_ratio, refuse
 
 _RULES = [
     (r"patch_embed\.proj\.(weight|bias)", r"patch_embed.\1"),
@@ -37,13 +39,17 @@ _RULES = [
     (r"blocks\.(\d+)\.mlp\.norm\.(weight|bias)", r"blocks.\1.mlp_norm.\2"),
     (r"blocks\.(\d+)\.attn\.norm\.(weight|bias)", r"blocks.\1.attn_norm.\2"),
     (r"rope\.freqs", "rope_freqs"),
+    (r"blocks\.(\d+)\.attn\.relative_position_bias_table", r"blocks.\1.rel_pos_table"),
+    (r"rel_pos_bias\.relative_position_bias_table", "rel_pos_table"),
     (r"(blocks\.\d+\.norm[12]|norm_pre|norm|fc_norm|head|head_dist)\.(weight|bias)", r"\1.\2"),
     (r"attn_pool\.(latent|(?:q|kv|proj|norm|mlp\.fc1|mlp\.fc2)\.(?:weight|bias))", r"attn_pool.\1"),
 ]
+# Computed from the grid, not read: Beit's index of the relative position bias tables (in older checkpoints).
+_UNUSED = [(r"(?:blocks\.\d+\.attn\.|rel_pos_bias\.)relative_position_index", "")]
 _POOLS = ("token", "avg", "map")
 # timm's families refused for what the kernels do not compute, by the module that defines them.
-_REFUSED = {"timm.models.beit": "relative position bias in attention",
-            "timm.models.vision_transformer_relpos": "relative position bias in attention",
+_REFUSED = {"timm.models.vision_transformer_relpos": "an MLP (RelPosMlp) making the relative position bias from "
+                                                     "log-spaced patch offsets",
             "timm.models.vision_transformer_sam": "windowed attention with relative position bias",
             "timm.models.vision_transformer_hybrid": "a hybrid convolutional stem (a CNN before the patch projection)"}
 
@@ -139,12 +145,30 @@ def _scale_norm_fields(block: nn.Module) -> dict:
     return dict(attn_norm=attn_norm, mlp_norm=mlp_norm)
 
 
+def _trunk_fields(module: nn.Module, act: str | None) -> dict:
+    """The config fields that timm's VisionTransformer, Eva and Beit hold alike: the sizes, the norms' eps, the MLP's
+    activation, the biases of the patch embedding and of the projections, the scale norms, the final norm, pooling
+    and head; a position table resampled as timm's resample_abs_pos_embed (dynamic_img_size) does."""
+    block, pe = module.blocks[0], module.patch_embed
+    return dict(
+        image_size=pe.img_size[0], patch_size=pe.patch_size[0], in_chans=pe.proj.in_channels,
+        embed_dim=module.embed_dim, depth=len(module.blocks), num_heads=block.attn.num_heads,
+        mlp_dim=block.mlp.fc2.in_features, norm_eps=block.norm1.eps, act=act, patch_bias=pe.proj.bias is not None,
+        final_norm=_is_norm(module.norm) or _is_norm(module.fc_norm), fc_norm=_is_norm(module.fc_norm),
+        pool=module.global_pool, num_classes=module.num_classes, pos_resample="bicubic_float32_antialias",
+        proj_bias=block.attn.proj.bias is not None, mlp_bias=block.mlp.fc2.bias is not None,
+        **_scale_norm_fields(block),
+    )
+
+
 def timm_config_to_vit(module: nn.Module) -> ViTConfig:
-    """ViTConfig of a timm VisionTransformer or Eva; ValueError naming any feature we do not support."""
+    """ViTConfig of a timm VisionTransformer, Eva or Beit; ValueError naming any feature we do not support."""
     if type(module).__name__ == "Eva":
         return _eva_config(module)
+    if type(module).__name__ == "Beit":
+        return _beit_config(module)
     if type(module).__name__ not in ("VisionTransformer", "VisionTransformerDistilled"):
-        raise ValueError(f"from_timm takes a timm VisionTransformer, VisionTransformerDistilled or Eva, "
+        raise ValueError(f"from_timm takes a timm VisionTransformer, VisionTransformerDistilled, Eva or Beit, "
                          f"got {type(module).__name__}{timm_refusal(type(module).__module__)}")
     distilled = type(module).__name__ == "VisionTransformerDistilled"
     block = module.blocks[0]
@@ -173,23 +197,14 @@ def timm_config_to_vit(module: nn.Module) -> ViTConfig:
         "a non-square img_size or patch_size (the checkpoint's own grid must be square; inputs of any size run)":
         pe.img_size[0] != pe.img_size[1] or pe.patch_size[0] != pe.patch_size[1],
     }
-    found = [what for what, present in unsupported.items() if present]
-    if found:
-        raise ValueError(f"unsupported timm VisionTransformer feature: {'; '.join(found)}")
+    refuse(unsupported, "timm VisionTransformer")
     return ViTConfig(
-        image_size=pe.img_size[0], patch_size=pe.patch_size[0], in_chans=pe.proj.in_channels,
-        embed_dim=module.embed_dim, depth=len(module.blocks), num_heads=block.attn.num_heads,
-        mlp_dim=block.mlp.fc2.in_features, qkv_bias=block.attn.qkv.bias is not None, norm_eps=block.norm1.eps,
-        act=act, class_token=module.cls_token is not None,
-        reg_tokens=module.num_reg_tokens, pos_embed_prefix=not module.no_embed_class,
-        patch_bias=pe.proj.bias is not None, pre_norm=_is_norm(module.norm_pre),
-        final_norm=_is_norm(module.norm) or _is_norm(module.fc_norm),
-        fc_norm=_is_norm(module.fc_norm), pool=module.global_pool, num_classes=module.num_classes,
+        **_trunk_fields(module, act), qkv_bias=block.attn.qkv.bias is not None,
+        class_token=module.cls_token is not None, reg_tokens=module.num_reg_tokens,
+        pos_embed_prefix=not module.no_embed_class, pre_norm=_is_norm(module.norm_pre),
         dist_token=distilled, head_dist=distilled and module.num_classes > 0,
-        pos_resample="bicubic_float32_antialias",   # resample_abs_pos_embed, as dynamic_img_size runs it
-        norm=kinds.pop() if kinds else "layernorm", proj_bias=block.attn.proj.bias is not None,
-        mlp_bias=block.mlp.fc2.bias is not None, embed_norm=_is_norm(embed_norm),
-        layer_scale=not isinstance(block.ls1, nn.Identity), **pool, **_scale_norm_fields(block),
+        norm=kinds.pop() if kinds else "layernorm", embed_norm=_is_norm(embed_norm),
+        layer_scale=not isinstance(block.ls1, nn.Identity), **pool,
     )
 
 
@@ -209,9 +224,7 @@ def _eva_rope(module: nn.Module) -> dict:
         "DINOv3 rope with min/max periods or coordinates normalized other than 'separate'": kind == "centered" and (
             rope.min_period is not None or rope.max_period is not None or rope.normalize_coords != "separate"),
     }
-    found = [what for what, present in unsupported.items() if present]
-    if found:
-        raise ValueError(f"unsupported timm Eva feature: {'; '.join(found)}")
+    refuse(unsupported, "timm Eva")
     ref = getattr(rope, "ref_feat_shape", None)
     return dict(rope=kind, rope_theta=rope.temperature, rope_half=module.blocks[0].attn.rotate_half,
                 rope_xy=rope.grid_indexing == "xy", rope_offset=getattr(rope, "grid_offset", 0.0),
@@ -259,28 +272,49 @@ def _eva_config(module: nn.Module) -> ViTConfig:
         "a non-square img_size or patch_size (the checkpoint's own grid must be square; inputs of any size run)":
         pe.img_size[0] != pe.img_size[1] or pe.patch_size[0] != pe.patch_size[1],
     }
-    found = [what for what, present in unsupported.items() if present]
-    if found:
-        raise ValueError(f"unsupported timm Eva feature: {'; '.join(found)}")
+    refuse(unsupported, "timm Eva")
     return ViTConfig(
-        image_size=pe.img_size[0], patch_size=pe.patch_size[0], in_chans=pe.proj.in_channels,
-        embed_dim=module.embed_dim, depth=len(module.blocks), num_heads=attn.num_heads, mlp_dim=mlp.fc2.in_features,
-        qkv_bias=qkv_bias, norm_eps=block.norm1.eps, act=act, class_token=module.cls_token is not None,
+        **_trunk_fields(module, act), qkv_bias=qkv_bias, class_token=module.cls_token is not None,
         reg_tokens=0 if module.reg_token is None else module.reg_token.shape[1],
-        pos_embed_prefix=not module.no_embed_class, patch_bias=pe.proj.bias is not None,
-        pre_norm=_is_norm(module.norm_pre), final_norm=_is_norm(module.norm) or _is_norm(module.fc_norm),
-        fc_norm=_is_norm(module.fc_norm), pool=module.global_pool,
-        num_classes=module.num_classes, pos_resample="bicubic_float32_antialias",
-        abs_pos_embed=module.pos_embed is not None, proj_bias=attn.proj.bias is not None,
-        mlp_bias=mlp.fc2.bias is not None, layer_scale=getattr(block, "gamma_1", None) is not None,
-        key_bias=not _key_biasless(attn), **pool, **_scale_norm_fields(block), **_eva_rope(module),
+        pos_embed_prefix=not module.no_embed_class, pre_norm=_is_norm(module.norm_pre),
+        abs_pos_embed=module.pos_embed is not None, layer_scale=getattr(block, "gamma_1", None) is not None,
+        key_bias=not _key_biasless(attn), **pool, **_eva_rope(module),
+    )
+
+
+def _beit_config(module: nn.Module) -> ViTConfig:
+    """ViTConfig of a timm Beit (beit_*, beitv2_*): q_bias and v_bias beside a bias-free qkv, LayerScale (gamma_1,
+    gamma_2), a relative position bias table in every block (use_rel_pos_bias) or one for all
+    (use_shared_rel_pos_bias), an absolute position embedding or none; ValueError naming any feature we do not
+    support."""
+    block, pe = module.blocks[0], module.patch_embed
+    attn, mlp = block.attn, block.mlp
+    tables = {"block": attn.relative_position_bias_table is not None, "shared": module.rel_pos_bias is not None}
+    norms = {type(n).__name__ for n in (block.norm1, block.norm2, module.norm, module.fc_norm, *_scale_norms(block))
+             if not isinstance(n, (nn.LayerNorm, nn.Identity))}
+    mlp_ok = type(mlp).__name__ in ("Mlp", "SwiGLU")
+    unsupported = {
+        "a relative position bias table in every block and a shared one (use_rel_pos_bias and "
+        "use_shared_rel_pos_bias)": all(tables.values()),
+        f"global_pool {module.global_pool!r} (supported: token, avg)": module.global_pool not in ("token", "avg"),
+        "attn_head_dim (heads not embed_dim / num_heads wide)": attn.qkv.out_features != 3 * module.embed_dim,
+        f"MLP type {type(mlp).__name__} (supported: Mlp, SwiGLU)": not mlp_ok,
+        f"norm layer {', '.join(sorted(norms))} (supported: LayerNorm)": bool(norms),
+        "a non-square img_size or patch_size (the relative position bias' grid must be square)":
+        pe.img_size[0] != pe.img_size[1] or pe.patch_size[0] != pe.patch_size[1],
+    }
+    refuse(unsupported, "timm Beit")
+    return ViTConfig(
+        **_trunk_fields(module, _mlp_act(mlp, "Beit")), qkv_bias=attn.q_bias is not None,
+        abs_pos_embed=module.pos_embed is not None, layer_scale=block.gamma_1 is not None,
+        key_bias=attn.q_bias is None, rel_pos_bias=next((kind for kind, present in tables.items() if present), "none"),
     )
 
 
 def timm_state_dict_to_vit(state_dict: dict[str, torch.Tensor], cfg: ViTConfig) -> dict[str, torch.Tensor]:
-    """Our state dict from a timm VisionTransformer or Eva one; raises listing every mismatch by the checkpoint's
+    """Our state dict from a timm VisionTransformer, Eva or Beit one; raises listing every mismatch by the checkpoint's
     own key names."""
-    mapped = Mapped(state_dict, _RULES)
+    mapped = Mapped(state_dict, _RULES, _UNUSED)
     mapped.concat("prefix_tokens", ["cls_token", "dist_token", "reg_token"])
     mapped.reshape("pos_embed", -1, cfg.embed_dim)
     d, t = cfg.embed_dim, mapped.tensors
@@ -301,14 +335,15 @@ def timm_state_dict_to_vit(state_dict: dict[str, torch.Tensor], cfg: ViTConfig) 
 
 
 def from_timm(module: nn.Module) -> ViT:
-    """vit-triton model with the weights, device and dtype of a timm VisionTransformer or Eva."""
+    """vit-triton model with the weights, device and dtype of a timm VisionTransformer, Eva or Beit."""
     cfg = timm_config_to_vit(module)
     return build(cfg, timm_state_dict_to_vit(module.state_dict(), cfg), next(module.parameters()))
 
 
 def timm_model_args(cfg: ViTConfig, architecture: str) -> tuple[dict, nn.Module]:
-    """The create_model arguments that make timm's `architecture` a model of config cfg (the sizes, and for a
-    VisionTransformer its token and norm choices; the rest is the architecture's), and that model, built on the meta
+    """The create_model arguments that make timm's `architecture` a model of config cfg (the sizes, LayerScale, and
+    each family's own choices: a VisionTransformer's tokens and norms, an Eva's scale norms and attention pool, a
+    Beit's position embedding and bias tables; the rest is the architecture's), and that model, built on the meta
     device (no memory, no init); ValueError naming what the architecture would not hold."""
     try:
         import timm
@@ -323,11 +358,16 @@ def timm_model_args(cfg: ViTConfig, architecture: str) -> tuple[dict, nn.Module]
         args["init_values"] = 1.0   # any: the gammas are the weights'
     if cfg.rope in ("axial", "centered") and not cfg.rope_cpu:   # tables computed on the device, as ours are
         args["dynamic_img_size"] = True
-    if timm.models.model_entrypoint(architecture).__module__ == "timm.models.eva":
+    family = timm.models.model_entrypoint(architecture).__module__
+    if family == "timm.models.eva":
         args.update(scale_attn_inner=cfg.attn_norm, scale_mlp=cfg.mlp_norm)
         if cfg.pool == "map":
             args.update(attn_pool_num_heads=cfg.attn_pool_heads,
                         attn_pool_mlp_ratio=mlp_ratio(cfg.attn_pool_mlp_dim, cfg.embed_dim))
+    elif family == "timm.models.beit":   # init_values None: no LayerScale, where the architectures have one
+        args.update(qkv_bias=cfg.qkv_bias, init_values=args.get("init_values"), use_abs_pos_emb=cfg.abs_pos_embed,
+                    use_rel_pos_bias=cfg.rel_pos_bias == "block", use_shared_rel_pos_bias=cfg.rel_pos_bias == "shared",
+                    use_fc_norm=cfg.fc_norm, scale_mlp=cfg.mlp_norm, swiglu_mlp=cfg.act == "swiglu")
     else:
         args.update(qkv_bias=cfg.qkv_bias, class_token=cfg.class_token, reg_tokens=cfg.reg_tokens,
                     no_embed_class=not cfg.pos_embed_prefix, pre_norm=cfg.pre_norm, fc_norm=cfg.fc_norm)

@@ -12,6 +12,8 @@ NORMS = ("layernorm", "rmsnorm")
 POS_RESAMPLES = ("bicubic_float32_antialias", "bicubic_float32", "bicubic", "bucket")
 # Rotary position embeddings, each as its library builds the tables (model/rope.py).
 ROPES = ("none", "axial", "mixed", "centered", "centered_inv_freq")
+# BEiT's relative position bias on the attention scores (model/rel_pos_bias.py): none, a table per block, one for all.
+REL_POS_BIASES = ("none", "block", "shared")
 
 
 @dataclass(frozen=True)
@@ -62,8 +64,14 @@ class ViTConfig:
     layer_scale: LayerScale in every block (DeiT III, DINOv2, DINOv3, EVA02-L, the RoPE ViTs): a learned per-channel
     gamma (the blocks' ls1 and ls2) multiplying the attention's and the MLP's output before the residual add, in
     the proj and fc2 GEMMs' epilogues.
-    key_bias=False: the key projection has no bias (DINOv3, timm's Eva): the key third of the blocks' qkv.bias
+    key_bias=False: the key projection has no bias (DINOv3, timm's Eva, BEiT): the key third of the blocks' qkv.bias
     holds zeros, and no gradient reaches it.
+    rel_pos_bias: BEiT's relative position bias, a learned [H, T, T] bias added to each head's attention scores,
+    gathered from a table of one value per head for each offset between two patches of the checkpoint's grid (and
+    three for the class token's row, column and itself): "block" a table in every block (blocks.i.rel_pos_table),
+    "shared" one for all blocks (rel_pos_table: transformers' use_shared_relative_position_bias, timm's
+    use_shared_rel_pos_bias), "none" none. The table is learned for the grid of image_size only, which the pixels
+    must then make; it needs the class token as the only prefix token.
     Training only (model.train(), timm's names and semantics): drop_path_rate, stochastic depth, the largest rate
     of the linear ramp 0 .. drop_path_rate over the blocks (each block's attention and MLP branch dropped per image,
     the kept ones scaled by 1 / keep, in the proj and fc2 GEMMs' epilogues); drop_rate, dropout of the pooled
@@ -117,6 +125,7 @@ class ViTConfig:
     embed_proj_bias: bool = False
     layer_scale: bool = False
     key_bias: bool = True
+    rel_pos_bias: str = "none"
     drop_path_rate: float = 0.0
     drop_rate: float = 0.0
     pos_drop_rate: float = 0.0
@@ -165,6 +174,12 @@ class ViTConfig:
                              f"{self.pool_heads}")
         if self.embed_proj_bias and not self.proj_dim:
             raise ValueError("embed_proj_bias is the bias of the embedding projection: it needs proj_dim > 0")
+        if self.rel_pos_bias not in REL_POS_BIASES:
+            raise ValueError(f"rel_pos_bias must be one of {REL_POS_BIASES}, got {self.rel_pos_bias!r}")
+        if self.rel_pos_bias != "none" and (not self.class_token or self.num_prefix_tokens != 1):
+            raise ValueError(f"rel_pos_bias needs the class token as the only prefix token (its table has rows for it "
+                             f"alone), got class_token {self.class_token}, dist_token {self.dist_token} and reg_tokens "
+                             f"{self.reg_tokens}")
         for name in ("drop_path_rate", "drop_rate", "pos_drop_rate"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")

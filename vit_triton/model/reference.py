@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from .config import ViTConfig
 from .pos_embed import resample, sincos_table
+from .rel_pos_bias import relative_position_bias, relative_position_index
 from .rope import rope_tables
 
 
@@ -64,6 +65,7 @@ def reference_forward(cfg: ViTConfig, params: dict[str, torch.Tensor], pixels: t
         x = norm(x, p, "norm_pre", cfg)
     if cfg.rope != "none":
         cos, sin = rope_tables(cfg, grid, pixels.device, p.get("rope_freqs"))
+    index = relative_position_index(grid, pixels.device) if cfg.rel_pos_bias != "none" else None
     for i in range(cfg.depth):
         b = f"blocks.{i}."
         h = norm(x, p, b + "norm1", cfg)
@@ -73,7 +75,9 @@ def reference_forward(cfg: ViTConfig, params: dict[str, torch.Tensor], pixels: t
             tables = (cos[i], sin[i]) if cfg.rope == "mixed" else (cos, sin)
             q, k = (rope_reference(t, *tables, cfg.rope_half, cfg.num_prefix_tokens) for t in (q, k))
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(batch, -1, d)
+        table = p.get(b + "rel_pos_table", p.get("rel_pos_table"))   # BEiT's, the block's own or the shared one
+        bias = None if table is None else relative_position_bias(table, index)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=bias).transpose(1, 2).reshape(batch, -1, d)
         if cfg.attn_norm:
             a = norm(a, p, b + "attn_norm", cfg)
         scales = (None, None) if branch_scales is None else branch_scales[i]

@@ -8,7 +8,8 @@ Images of any height and width of at least the patch size run: the patch grid is
 the last whole patch are not read, as the libraries' strided convolution does: SigLIP's 384 px at patch 14), and
 the position embedding is resampled to it as the checkpoint's library does (pos_embed.py, ViTConfig.pos_resample).
 With embed_norm (AIMv2) the patch embeddings are normalised before the position table is added: patch_embed then
-adds only the bias, and the norm's kernel adds the table after normalising.
+adds only the bias, and the norm's kernel adds the table after normalising. A relative position bias (BEiT) is
+learned for the checkpoint's own grid, which the pixels must then make.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from .config import ViTConfig
 from .layers import LayerNorm, Linear
 from .pos_embed import ResampledTables, SincosTables
 from .reference import rope_reference
+from .rel_pos_bias import relative_position_bias, relative_position_index, table_rows
 from .rope import RopeTables
 
 
@@ -53,7 +55,8 @@ class Block(nn.Module):
     it). A gated MLP (act "swiglu") gates in fc1's epilogue; mlp_norm normalises its output before fc2. Rotary
     embeddings (rope: cos, sin tables) rotate q and k of the patch tokens in the QKV GEMM's epilogue. LayerScale
     (ls1, ls2) and stochastic depth (drop_path: the probability of dropping a branch for an image, in training)
-    scale the proj's and fc2's products in their epilogues, before the residual add."""
+    scale the proj's and fc2's products in their epilogues, before the residual add. A relative position bias
+    (rel_pos_bias: [H, T, T], from the block's own rel_pos_table or the model's) is added to the attention's scores."""
 
     def __init__(self, cfg: ViTConfig, drop_path: float = 0.0, **factory) -> None:
         super().__init__()
@@ -75,6 +78,8 @@ class Block(nn.Module):
         self.register_buffer("key_bias_mask", mask if cfg.qkv_bias and not cfg.key_bias else None, persistent=False)
         self.ls1 = nn.Parameter(torch.ones(d, **factory)) if cfg.layer_scale else None
         self.ls2 = nn.Parameter(torch.ones(d, **factory)) if cfg.layer_scale else None
+        self.rel_pos_table = (nn.Parameter(torch.zeros(table_rows(cfg.grid), cfg.num_heads, **factory))
+                              if cfg.rel_pos_bias == "block" else None)
         self.drop_path = drop_path
         self.defer_fc2 = True
 
@@ -86,7 +91,8 @@ class Block(nn.Module):
         keep = 1.0 - self.drop_path
         return torch.empty(batch, device=device).bernoulli_(keep).div_(keep).repeat_interleave(tokens)
 
-    def forward(self, x: ResidualStream, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> ResidualStream:
+    def forward(self, x: ResidualStream, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                rel_pos_bias: torch.Tensor | None = None) -> ResidualStream:
         batch, tokens, d = x.shape
         # The QKV GEMM's [B*T, 3D] output is read in place as q, k, v [B, T, H, Dh] views.
         h, shape = x.norm(self.norm1), (batch, tokens, 3, self.num_heads, d // self.num_heads)
@@ -98,10 +104,10 @@ class Block(nn.Module):
             # RoPE-mixed's learned frequencies in training: q and k rotated by PyTorch, differentiable in the tables
             qkv = self.qkv(h, bias=bias).view(shape)
             q, k = (rope_reference(qkv[:, :, i], *rope, self.rope_half, self.rope_prefix) for i in (0, 1))
-            attn = attention(torch.stack([q, k, qkv[:, :, 2]], 2), tf32_output=rounded)
+            attn = attention(torch.stack([q, k, qkv[:, :, 2]], 2), bias=rel_pos_bias, tf32_output=rounded)
         else:
             qkv = self.qkv(h, bias=bias, rope=rope, rope_half=self.rope_half, rope_prefix=self.rope_prefix)
-            attn = attention(qkv.view(shape), tf32_input=True, tf32_output=rounded)
+            attn = attention(qkv.view(shape), bias=rel_pos_bias, tf32_input=True, tf32_output=rounded)
         device, attn = attn.device, attn.view(batch * tokens, d)
         if self.attn_norm is not None:
             attn = self.attn_norm(attn)
@@ -142,6 +148,11 @@ class ViT(nn.Module):
         self.rope_freqs = (nn.Parameter(torch.zeros(self.rope_tables.freqs_shape, **factory))
                            if cfg.rope == "mixed" else None)
         self.norm_pre = norm_layer(cfg, d, **factory) if cfg.pre_norm else None
+        # the relative position bias' table shared by all blocks, and every table's row of each (query, key) pair
+        self.rel_pos_table = (nn.Parameter(torch.zeros(table_rows(cfg.grid), cfg.num_heads, **factory))
+                              if cfg.rel_pos_bias == "shared" else None)
+        self.register_buffer("rel_pos_index", relative_position_index(cfg.grid, device)
+                             if cfg.rel_pos_bias != "none" else None, persistent=False)
         # Stochastic depth's rates rise linearly over the blocks, from 0 to drop_path_rate (timm's ramp).
         rates = torch.linspace(0, cfg.drop_path_rate, cfg.depth).tolist() if cfg.depth else []
         self.blocks = nn.ModuleList(Block(cfg, rate, **factory) for rate in rates)
@@ -187,6 +198,10 @@ class ViT(nn.Module):
         if pixels.shape[1] != cfg.in_chans:
             raise ValueError(f"pixels must have {cfg.in_chans} channels {expected}, got shape {tuple(pixels.shape)}")
         grid = self.grid(pixels.shape[2], pixels.shape[3])
+        if self.rel_pos_index is not None and grid != cfg.grid:
+            raise ValueError(f"the relative position bias is learned for {cfg.grid[0]} x {cfg.grid[1]} patches of "
+                             f"{cfg.patch_size} ({cfg.image_size} x {cfg.image_size} images): pixels must make that "
+                             f"grid, got {pixels.shape[2]}x{pixels.shape[3]} ({grid[0]} x {grid[1]} patches)")
         dtype = self.patch_embed.weight.dtype
         if pixels.dtype not in (torch.float32, dtype):
             raise ValueError(f"pixels must be float32 or {dtype} (the model's dtype), got {pixels.dtype}")
@@ -197,7 +212,7 @@ class ViT(nn.Module):
 
     def forward_features(self, pixels: torch.Tensor) -> torch.Tensor:
         """Tokens [B, T, D] after the blocks and the final norm (HF last_hidden_state), for pixels [B, C, H, W] of
-        any H and W of at least the patch size."""
+        any H and W of at least the patch size (with a relative position bias, of the checkpoint's patch grid)."""
         grid = self._check_pixels(pixels)
         cfg = self.config
         if pixels.shape[0] == 0:   # no image: no kernel has a program to run
@@ -226,12 +241,18 @@ class ViT(nn.Module):
         # Checkpointing only where autograd records the blocks (a frozen backbone runs as at inference).
         checkpointed = self.grad_checkpointing and torch.is_grad_enabled() and (
             x.tensor().requires_grad or any(p.requires_grad for p in self.blocks.parameters()))
+        shared = (None if self.rel_pos_table is None
+                  else relative_position_bias(self.rel_pos_table, self.rel_pos_index))
         for block, rope in zip(self.blocks, ropes):
+            # a block's own bias gathered as it runs: one [H, T, T] bias at a time at inference
+            rel_pos_bias = (shared if block.rel_pos_table is None
+                            else relative_position_bias(block.rel_pos_table, self.rel_pos_index))
             if checkpointed:   # the block's activations recomputed in the backward (drop path's masks too)
-                x = ResidualStream(checkpoint(lambda t, r, block=block: block(ResidualStream(t, batch), r).tensor(),
-                                              x.tensor(), rope, use_reentrant=False), batch)
+                x = ResidualStream(checkpoint(
+                    lambda t, r, b, block=block: block(ResidualStream(t, batch), r, b).tensor(),
+                    x.tensor(), rope, rel_pos_bias, use_reentrant=False), batch)
             else:
-                x = block(x, rope)
+                x = block(x, rope, rel_pos_bias)
         x = x.norm(self.norm) if self.norm is not None else x.tensor()
         return x.view(batch, num_tokens, d)
 
@@ -290,9 +311,11 @@ class ViT(nn.Module):
         """Parameter groups by layer, as timm's VisionTransformer gives them: the stem, then each block, the final
         norm last (the head and pooling after it), for layer-wise learning-rate decay
         (timm.optim.param_groups_layer_decay)."""
-        return dict(stem=r"^prefix_tokens|pos_embed|patch_embed|rope_freqs|embed_norm|norm_pre",
+        return dict(stem=r"^prefix_tokens|pos_embed|patch_embed|rope_freqs|embed_norm|norm_pre|^rel_pos_table",
                     blocks=[(r"^blocks\.(\d+)", None), (r"^norm", (99999,))])
 
     def no_weight_decay(self) -> set[str]:
-        """The matrices exempt from weight decay (timm's; 1-D parameters are exempt anyway)."""
-        return {"pos_embed", "prefix_tokens", "rope_freqs"}
+        """The matrices exempt from weight decay (timm's; 1-D parameters are exempt anyway): the position and prefix
+        tokens' tables, RoPE-mixed's frequencies, every relative position bias table (timm's Beit exempts them)."""
+        tables = {name for name, _ in self.named_parameters() if name.endswith("rel_pos_table")}
+        return {"pos_embed", "prefix_tokens", "rope_freqs"} | tables
