@@ -40,7 +40,8 @@ work, not 256). dq of a query expanded over the batch is each image's dq in fp32
 
 Backward cost: 10*B*H*Tq*Tk*Dh FLOPs in the math (5 products, 2.5x the forward's), 14*B*H*Tq*Tk*Dh as computed
 here, + 2*B*H*Tq*Tk exponentials; at least 4*B*(Tq + Tk)*H*Dh elements moved (q, o, dO, k, v read, dq, dk, dv
-written) and 3*B*H*Tq floats (lse read, delta written and read).
+written) and 3*B*H*Tq floats (lse read, delta written and read). A bias adds H*Tq*Tk elements read by each pass
+(from L2 after the first image), and its gradient 2*B*H*Tq*Tk floats (each image's dS written, then summed).
 """
 
 from __future__ import annotations
@@ -249,7 +250,7 @@ def fused_attention(
     check_device(q, k, v, out, lse, bias)
     B, Tq, Tk, H, Dh = check_inputs(q, k, v, out=out)
     if lse is not None:
-        check_lse(lse, (B, H, Tq))
+        check_float32("lse", lse, (B, H, Tq))
     check_bias(bias, (H, Tq, Tk), q.dtype)
     if out is None:
         out = torch.empty((B, Tq, H, Dh), device=q.device, dtype=q.dtype)
@@ -488,15 +489,12 @@ def attention_backward(
     """
     check_device(q, k, v, o, lse, do, dq, dk, dv, bias, dbias)
     B, Tq, Tk, H, Dh = check_inputs(q, k, v, o=o, do=do)
-    check_lse(lse, (B, H, Tq))
+    check_float32("lse", lse, (B, H, Tq))
     check_bias(bias, (H, Tq, Tk), q.dtype)
     if dbias is not None:
         if bias is None:
             raise ValueError("dbias is the gradient of a bias: give the forward's bias too")
-        check_shape("dbias", dbias, (H, Tq, Tk))
-        check_dtype("dbias", dbias, torch.float32)
-        if not dbias.is_contiguous():
-            raise ValueError(f"dbias must be contiguous, got strides {dbias.stride()}")
+        check_float32("dbias", dbias, (H, Tq, Tk))
     summed = q.stride(0) == 0 and B > 1   # dq: the sum over the batch of each image's gradient
     dq_shape = (1 if summed else B, Tq, H, Dh)
     for name, t, shape in (("dq", dq, dq_shape), ("dk", dk, k.shape), ("dv", dv, v.shape)):
@@ -576,12 +574,12 @@ def check_head_tensor(name: str, t: torch.Tensor | None, shape: tuple[int, ...],
         raise ValueError(f"{name} must have unit stride along the head dim, got strides {t.stride()}")
 
 
-def check_lse(lse: torch.Tensor, shape: tuple[int, int, int]) -> None:
-    """lse: the log-sum-exps [B, H, Tq], contiguous float32."""
-    check_shape("lse", lse, shape)
-    check_dtype("lse", lse, torch.float32)
-    if not lse.is_contiguous():
-        raise ValueError(f"lse must be contiguous, got strides {lse.stride()}")
+def check_float32(name: str, t: torch.Tensor, shape: tuple[int, int, int]) -> None:
+    """t: a contiguous float32 tensor of this shape (lse [B, H, Tq], dbias [H, Tq, Tk])."""
+    check_shape(name, t, shape)
+    check_dtype(name, t, torch.float32)
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
 
 
 def check_bias(bias: torch.Tensor | None, shape: tuple[int, int, int], dtype: torch.dtype) -> None:
