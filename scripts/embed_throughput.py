@@ -12,7 +12,9 @@ replays full batches), Pillow's decoding and resizing in one process, and nvJPEG
 already in memory; and compares the two decoders: the largest pixel difference over a batch, and the cosine
 similarity of the embeddings both runs wrote. And shows where the --decode gpu run's time goes (--overlap-images,
 overlap_probes): nvJPEG alone and beside a running forward, the decoding threads with the forward on batches in
-memory, and embed without the forward and as it is.
+memory, and embed without the forward and as it is. Last, README's command itself over all the paths, in a
+process of its own, timed from outside: first with empty caches, as on a new machine, then warm
+(command_wall_clock).
 
     python scripts/embed_throughput.py [--num-images 20000] [--distinct 4000] [--cpu-images 5000]
                                        [--architecture vit_base_patch16_224] [--batch-size 256] [--workers N]
@@ -232,6 +234,39 @@ def run_embed(checkpoint: Path, input_spec: str, output: Path, batch_size: int, 
             "gpu_util_percent": load.gpu_util}
 
 
+TIME_LINE = "vit-triton embed: time: "
+
+
+def logged_phases(stderr: str) -> dict[str, float]:
+    """The seconds of each phase in embed's time line ("imports 2.1 s, device 0.6 s, ..."), in order."""
+    for line in stderr.splitlines():
+        if line.startswith(TIME_LINE):
+            return {name: float(seconds) for name, seconds in
+                    (part.removesuffix(" s").rsplit(" ", 1) for part in line.removeprefix(TIME_LINE).split(", "))}
+    return {}
+
+
+def command_wall_clock(checkpoint: Path, input_spec: str, output: Path, images: int) -> dict:
+    """README's command, `vit-triton embed INPUT --model CKPT --output OUT`, in a process of its own, timed from
+    outside as a user waits for it: first with empty caches (the tuner's and Triton's, in a fresh folder, as on a
+    new machine), then again with them warm. Images/s from each whole command, its own figure's, the phases its
+    log names and the time outside them (the interpreter's start and exit, the workers' shutdown)."""
+    caches = Path(tempfile.mkdtemp(prefix="embed_caches_"))
+    env = dict(os.environ, VIT_TRITON_CACHE_DIR=str(caches / "vit-triton"), TRITON_CACHE_DIR=str(caches / "triton"))
+    out = {}
+    for run in ("first_run_empty_caches", "second_run_warm_caches"):
+        start = time.perf_counter()
+        done = subprocess.run([sys.executable, "-m", "vit_triton", "embed", input_spec, "--model", str(checkpoint),
+                               "--output", str(output), "--overwrite", "--no-progress"], env=env, capture_output=True,
+                              text=True, check=True)
+        seconds = time.perf_counter() - start
+        phases = logged_phases(done.stderr)
+        out[run] = {"seconds": seconds, "images_per_s": images / seconds, "phases": phases,
+                    "outside_the_phases": seconds - sum(phases.values()), "final_line": done.stdout.strip()[-300:]}
+        print(run, json.dumps(out[run]), flush=True)
+    return out
+
+
 def overlap_probes(checkpoint: Path, listed: Path, root: Path, batch_size: int, workers: int) -> dict:
     """Where a --decode gpu run's time goes, from nvJPEG alone up to the whole pipeline. On JPEG batches of the
     files in `listed` already in memory: nvJPEG alone; nvJPEG while another thread replays the graphed forward
@@ -433,6 +468,8 @@ def main() -> int:
     cosine = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
     results["embedding_cosine_gpu_against_cpu"] = {"images": len(cosine), "min": float(cosine.min()),
                                                    "mean": float(cosine.mean())}
+    results["command"] = command_wall_clock(checkpoint, str(root / "images"), root / "command.parquet",
+                                            args.num_images)
     if args.overlap_images:
         listed = root / "overlap.txt"
         listed.write_text("\n".join(paths[:args.overlap_images]) + "\n")

@@ -20,6 +20,7 @@ from PIL import Image
 
 from tests.checkpoints import hf_model, save_hf, save_timm, timm_model, write_bad_files, write_images, write_shard
 from tests.numerics import DEVICE, assert_close
+from tests.scripts import load_script
 from vit_triton import embed_images, from_pretrained
 from vit_triton.cli import main
 from vit_triton.data import Preprocess, UnreadableImage, decode_image, load_image
@@ -229,6 +230,21 @@ def test_npy_tokens_normalized_from_a_list_file_with_a_timm_checkpoint(tmp_path)
     torch.testing.assert_close(torch.from_numpy(tokens).float(), features, atol=2e-3, rtol=2e-3)
     assert "imgs/missing.png\tcannot read file: No such file or directory" in (tmp_path / "emb.skipped.tsv").read_text()
 
+
+
+def test_the_log_says_where_the_time_went(tmp_path, capsys):
+    listed = [str(p) for p in sorted(Path("imgs").glob("*.png"))[:3]]
+    (tmp_path / "list.txt").write_text("\n".join(listed) + "\n")
+    started = time.perf_counter()
+    assert _embed(str(tmp_path / "list.txt"), "--model", "deit", "--output", str(tmp_path / "e.parquet"), *RUN) == 0
+    wall = time.perf_counter() - started
+    err = capsys.readouterr().err
+    assert sum(line.startswith("vit-triton embed: time: ") for line in err.splitlines()) == 1, err
+    phases = load_script("embed_throughput.py").logged_phases(err)   # how the GPU's measurements read it
+    assert list(phases) == ["imports", "device", "checkpoint", "decoder", "listing", "first batch", "embedding",
+                            "merge"]
+    assert all(seconds >= 0 for seconds in phases.values())
+    assert sum(phases.values()) <= wall + 0.05 * len(phases)   # each rounded to 0.1 s
 
 
 def test_another_image_size_with_tokens(tmp_path, capsys):
@@ -681,7 +697,6 @@ def test_from_pretrained_is_float32_on_the_cpu_unless_a_dtype_is_given():
 
 @pytest.mark.parametrize("counts", [(20000, 5000, 5000), (65536, 4096, 16384), (300, 17, 75), (4096, 8191, 1)])
 def test_the_throughput_scripts_warm_up_covers_every_batch_shape_embed_makes(counts):
-    from tests.scripts import load_script
     from vit_triton.pipelines.embed import ChunkBatches
 
     shapes = {len(batch) for count in counts

@@ -7,6 +7,7 @@ import importlib.metadata
 import os
 import sys
 import textwrap
+import time
 
 from . import __version__
 from .utils import MissingExtra, batch_sizes, image_size, natural_int, positive_int
@@ -501,11 +502,14 @@ def _classify(args: argparse.Namespace) -> int:
 
 
 def _embed(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
     from .data.decode import widen_hardware_queues
 
     widen_hardware_queues()   # before CUDA is asked anything, even whether it is there
     _interpret_without_cuda(args.device)
     from .pipelines import EmbedOptions, embed
+
+    imports = time.perf_counter() - started
 
     summary = embed(EmbedOptions(
         model=args.model, input=args.input, output=args.output, batch_size=args.batch_size,
@@ -519,6 +523,10 @@ def _embed(args: argparse.Namespace) -> int:
             this_run = (f"{summary.processed} images in {summary.seconds:.1f} s, "
                         f"{summary.processed / summary.seconds:.1f} images/s, decoded {summary.gpu_decoded} on the "
                         f"GPU and {summary.cpu_decoded} on the CPU")
+        if summary.phases:
+            phases = {"imports": imports, **summary.phases}
+            print("vit-triton embed: time: " + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in phases.items()),
+                  file=sys.stderr, flush=True)
         print(f"vit-triton embed: done {summary.done}, skipped {summary.skipped} (listed in "
               f"{summary.skipped_file}); this run: {this_run} -> {summary.output}", flush=True)
     return EXIT_OK

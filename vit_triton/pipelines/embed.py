@@ -315,11 +315,26 @@ def resolve_device(option: str | None, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+class _Clock:
+    """Wall-clock seconds of a run's phases, in order: mark(name) ends the phase `name` begun at the last mark."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name] = self.phases.get(name, 0.0) + now - self._last
+        self._last = now
+
+
 def _embed(opts: EmbedOptions, rank: int, world: int, local_rank: int, log) -> Summary | None:
+    clock = _Clock()
     wide = widen_hardware_queues()   # the CLI's call came before anything started CUDA; the API's comes here
     device = resolve_device(opts.device, local_rank)
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device)   # starts CUDA on it
+    clock.mark("device")
     on_gpu = device.type == "cuda"
     dtype = opts.dtype or (torch.bfloat16 if on_gpu else torch.float32)
     chunk_size = opts.chunk_size if opts.chunk_size is not None else 512 if opts.tokens else CHUNK_SIZE
@@ -339,7 +354,9 @@ def _embed(opts: EmbedOptions, rank: int, world: int, local_rank: int, log) -> S
         model = from_pretrained(opts.model, device=device, dtype=dtype)
         check_image_size(model, opts.image_size)
         pre = Preprocess.for_model(model, opts.image_size)
+        clock.mark("checkpoint")
         decode = _decoding(opts.decode, device, pre)
+        clock.mark("decoder")
         if decode == "gpu" and not wide:
             queues = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8, CUDA's default,")
             log(f"vit-triton embed: note: with {queues} hardware queues (CUDA_DEVICE_MAX_CONNECTIONS), nvJPEG may "
@@ -367,8 +384,9 @@ def _embed(opts: EmbedOptions, rank: int, world: int, local_rank: int, log) -> S
         mine = {k: store.chunk_range(k, inputs) for k in pending[rank::world]}
         # Rank 0 merges the chunks as they come; stopped, its partial output removed, if the run ends without finishing.
         merge = held.enter_context(store.merging(inputs)) if rank == 0 else None
+        clock.mark("listing")
         start = time.perf_counter()
-        counts = _run(model, pre, inputs, mine, store, opts, device, batch_size, rank, world, decode == "gpu")
+        counts = _run(model, pre, inputs, mine, store, opts, device, batch_size, rank, world, decode == "gpu", clock)
         processed, gpu_decoded, cpu_decoded = (_sum(c, world) for c in counts)
         if world > 1:
             import torch.distributed as dist
@@ -377,8 +395,9 @@ def _embed(opts: EmbedOptions, rank: int, world: int, local_rank: int, log) -> S
         if rank != 0:
             return None
         summary = merge.finish()
+        clock.mark("merge")
         return Summary(summary.output, summary.done, summary.skipped, summary.skipped_file, processed,
-                       time.perf_counter() - start, gpu_decoded, cpu_decoded)
+                       time.perf_counter() - start, gpu_decoded, cpu_decoded, clock.phases)
 
 
 def _list(spec: str) -> list[str]:
@@ -411,9 +430,10 @@ def _decoding(option: str | None, device: torch.device, pre: Preprocess) -> str:
 
 def _run(model, pre: Preprocess, inputs: list[str], chunks: dict[int, range], store: ChunkStore,
          opts: EmbedOptions, device: torch.device, batch_size: int, rank: int, world: int,
-         gpu_decode: bool) -> tuple[int, int, int]:
+         gpu_decode: bool, clock: _Clock) -> tuple[int, int, int]:
     """Embed this rank's chunks; returns how many inputs it handled, and how many images nvJPEG and the CPU
-    decoded."""
+    decoded. Marks the clock's "first batch" (the workers' start, the first reads and decodes, the kernels'
+    compilation and tuning, the CUDA graph's capture) and "embedding" (the rest)."""
     from tqdm import tqdm
 
     workers = opts.num_workers
@@ -449,6 +469,8 @@ def _run(model, pre: Preprocess, inputs: list[str], chunks: dict[int, range], st
         nonlocal handled
         writer.add(flight.batch, flight.wait())
         bar.update(len(flight.batch.names))
+        if not handled:
+            clock.mark("first batch")
         handled += len(flight.batch.names)
 
     compute = embedding_fn(model, pre, opts.normalize, opts.tokens, out_dtype)
@@ -467,5 +489,6 @@ def _run(model, pre: Preprocess, inputs: list[str], chunks: dict[int, range], st
         if in_flight is not None:
             finish(in_flight)
     bar.close()
+    clock.mark("embedding")
     assert not writer.chunks, f"chunks left unfinished: {sorted(writer.chunks)}"
     return handled, decoded_on_gpu, decoded_on_cpu

@@ -53,7 +53,7 @@ import shutil
 import threading
 from collections.abc import Sequence
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -89,6 +89,7 @@ class Summary:
     seconds: float = 0.0      # this run's time
     gpu_decoded: int = 0      # images of this run that nvJPEG decoded
     cpu_decoded: int = 0      # images of this run decoded on the CPU
+    phases: dict[str, float] = field(default_factory=dict)   # this run's wall-clock seconds in each phase, in order
 
 
 def _json_bytes(obj) -> bytes:
