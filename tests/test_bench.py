@@ -230,6 +230,78 @@ def test_bench_cli_without_gpu(capsys):
     assert "model output against ViTForImageClassification (float64)" in out and "FAIL" not in out
     with pytest.raises(SystemExit, match="--energy reads a GPU board's energy .* needs a CUDA device"):
         main(["bench", "--energy"])
+    with pytest.raises(SystemExit) as refused:
+        main(["bench", "--profile"])
+    assert refused.value.code == 2 and "--profile lists the CUDA kernels" in capsys.readouterr().err
+
+
+# What each of our kernels is, by its name (every @triton.jit kernel of vit_triton.kernels, so that a new one is
+# classed on purpose), and names the peers' kernels take: torch.compile's, cuBLAS's, PyTorch's attention and AdamW.
+OURS = {"attention": ["_attention_kernel", "_attention_backward_kernel", "_delta_kernel"],
+        "GEMM": ["_linear_plain_kernel", "_linear_tma_kernel", "_linear_backward_plain_kernel",
+                 "_linear_backward_tma_kernel", "_patch_embed_kernel", "_patch_embed_dweight_kernel",
+                 "_patch_embed_dpixels_kernel", "_patch_embed_token_sums_kernel"],
+        "norm": ["_layer_norm_kernel", "_layer_norm_backward_kernel"],
+        "other": ["_codes_kernel", "_column_sums_kernel", "_grad_kernel", "_resize_pass_kernel",
+                  "_resize_weights_kernel", "_round_to_tf32_kernel", "_sum_kernel", "_token_mean_kernel",
+                  "_token_mean_backward_kernel", "_upsample_kernel"]}
+PEERS = {"attention": ["void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<64>>",
+                       "fmha_cutlassF_bf16_aligned_64x64_rf_sm80", "cudnn_generated_fort_native_sdpa_sm90_flash_fprop",
+                       "triton_poi_fused__scaled_dot_product_flash_attention_backward_3"],
+         "GEMM": ["sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_warpgroupsize2x1x1_execute_segment_k_off",
+                  "nvjet_hsh_256x128_64x4_2x1_v_bz_coopB_NTN", "void splitKreduce_kernel<32, 16, int, float>",
+                  "triton_tem_fused_addmm_gelu_1", "cutlass3x_sm90_tensorop_gemm_bf16", "sm90_xmma_fprop_implicit_gemm"],
+         "norm": ["triton_red_fused_add_native_layer_norm_2", "triton_per_fused_native_layer_norm_backward_7"],
+         "optimizer": ["void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>"],
+         "other": ["triton_poi_fused_gelu_5", "Memcpy DtoD (Device -> Device)", "Memset (Device)",
+                   "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>"]}
+
+
+def test_kernel_classes_by_name():
+    import re
+    from pathlib import Path
+
+    import vit_triton.kernels as kernels
+    from vit_triton.bench.profile import CLASSES, kernel_class
+
+    source = "".join(p.read_text() for p in Path(kernels.__file__).parent.glob("*.py"))
+    ours = set(re.findall(r"@triton\.jit(?:\(.*\))?\ndef (_\w+_kernel)\(", source))
+    assert ours == {name for names in OURS.values() for name in names}
+    for table in (OURS, PEERS):
+        assert {name: kernel_class(name) for names in table.values() for name in names} == {
+            name: cls for cls, names in table.items() for name in names}
+    assert set(PEERS) == set(CLASSES)
+
+
+def test_format_kernel_classes():
+    from vit_triton.bench.profile import CLASSES, format_kernel_classes
+
+    def kernels(scale):
+        return dict(total_us=15 * scale, launches=30, classes={c: i * scale for i, c in enumerate(CLASSES, 1)})
+
+    rows = [dict(system="vit-triton+cudagraph", batch=64, kernels=kernels(1.0)),
+            dict(system="timm+compile:reduce-overhead", batch=64, kernels=kernels(2.0)),
+            dict(system="timm", batch=8, ms=1.0)]
+    lines = format_kernel_classes(rows).splitlines()
+    assert lines[0] == "GPU time per pass by kernel class, us (batch 64):"
+    assert lines[1].split() == ["class", "vit-triton+cudagraph", "timm+compile:reduce-overhead"]
+    assert [line.split() for line in lines[2:]] == [[c, f"{i:.1f}", f"{2 * i:.1f}"] for i, c in
+                                                    enumerate(CLASSES, 1)] + [["total", "15.0", "30.0"],
+                                                                              ["launches", "30", "30"]]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.profiler's CUDA kernels")
+def test_kernel_profile_of_a_matmul_and_a_norm():
+    from vit_triton.bench.profile import kernel_profile
+
+    a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()   # kernels inside a replayed graph are seen too
+    with torch.cuda.graph(graph):
+        torch.nn.functional.layer_norm(a @ a, (2048,))
+    seen = kernel_profile(graph.replay, passes=2)
+    assert seen["launches"] >= 2 and seen["classes"]["GEMM"] > 0 and seen["classes"]["norm"] > 0
+    assert seen["total_us"] == pytest.approx(sum(seen["classes"].values()))
+    assert seen["top"][0][1] >= seen["top"][-1][1]
 
 
 def test_float32_tolerance_follows_the_matmul_precision():

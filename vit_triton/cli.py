@@ -92,6 +92,10 @@ def _parser() -> argparse.ArgumentParser:
                             "GPU runs at its power limit, where images/s is the limit over joules per image; with "
                             "--kernels, each kernel's millijoules a call, ours and PyTorch's, against the least the "
                             "measured matmul and copy allow")
+    bench.add_argument("--profile", action="store_true",
+                       help="with each system's timing at the largest batch size, its CUDA kernels under "
+                            "torch.profiler: GPU time per pass by class (GEMM, attention, norm, optimizer, other) "
+                            "side by side, and each system's costliest kernels in bench.json")
     bench.add_argument("--train", action="store_true",
                        help="time a training step (forward, cross-entropy, backward, fused AdamW) of vit-triton, timm "
                             "and torch.compile(timm) from the same weights, at each batch size (default 128) and "
@@ -336,6 +340,9 @@ def _bench(args: argparse.Namespace) -> int:
     if args.energy and not on_gpu:
         raise SystemExit("vit-triton bench: --energy reads a GPU board's energy while the systems or kernels run: it "
                          "needs a CUDA device")
+    if args.profile and (args.kernels or not on_gpu):
+        args.usage_error("--profile lists the CUDA kernels of each system's timed pass: it needs a CUDA device, and "
+                         "not --kernels (which times each kernel alone)")
     from .bench import systems
 
     if args.train and on_gpu:
@@ -347,6 +354,7 @@ def _bench(args: argparse.Namespace) -> int:
     if not on_gpu:
         return _bench_without_gpu(dtype)
     from .bench import harness, power, roofline
+    from .bench.profile import format_kernel_classes
 
     name = args.model + (f"_{args.image_size}" if args.image_size else "")
     device, out = torch.device("cuda"), Path(args.out) / name / args.dtype
@@ -355,8 +363,11 @@ def _bench(args: argparse.Namespace) -> int:
         _, _, ours = systems.build_systems(cfg, dtype, device, ("vit-triton",), timm_module)
         roofline.run_roofline(name, cfg, batch_sizes[-1], dtype, device, ours, out, board=board)
     else:
-        print(harness.format_table(harness.run_bench(name, cfg, batch_sizes, dtype, device, out, names,
-                                                     board=board, timm_module=timm_module)))
+        result = harness.run_bench(name, cfg, batch_sizes, dtype, device, out, names, board=board,
+                                   timm_module=timm_module, profile=args.profile)
+        print(harness.format_table(result))
+        if args.profile:
+            print(format_kernel_classes(result["rows"]))
     print(f"results under {out}/")
     return 0
 
@@ -366,6 +377,7 @@ def _bench_train(args: argparse.Namespace, cfg, timm_module, batch_sizes: list[i
     from pathlib import Path
 
     from .bench import systems, train
+    from .bench.profile import format_kernel_classes
 
     precisions = args.precisions.split(",")
     unknown = set(precisions) - set(train.PRECISIONS)
@@ -377,8 +389,11 @@ def _bench_train(args: argparse.Namespace, cfg, timm_module, batch_sizes: list[i
     timm_module = timm_module if timm_module is not None else systems.timm_model(cfg)
     name = args.model + (f"_{args.image_size}" if args.image_size else "")
     out = Path(args.out) / name / "train"
-    result = train.run_train_bench(name, timm_module, batch_sizes, precisions, torch.device("cuda"), out, names)
+    result = train.run_train_bench(name, timm_module, batch_sizes, precisions, torch.device("cuda"), out, names,
+                                   profile=args.profile)
     print(train.format_train_table(result))
+    if args.profile:
+        print(format_kernel_classes(result["rows"]))
     print(f"results under {out}/")
     return 0
 

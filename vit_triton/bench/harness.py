@@ -27,6 +27,7 @@ from ..model.config import ViTConfig
 from .costs import model_flops
 from .numerics import rel_err, tolerance
 from .power import Board
+from .profile import kernel_profile
 from .systems import SYSTEMS, build_systems, reference_output
 
 Timer = Callable[[Callable[[], object]], float]
@@ -106,9 +107,10 @@ def _time_system(run, pixels: torch.Tensor, timer: Timer, board: Board | None = 
 def run_bench(model_name: str, cfg: ViTConfig, batch_sizes: Sequence[int], dtype: torch.dtype,
               device: torch.device, out_dir: Path | None = None, systems: Sequence[str] = SYSTEMS,
               timer: Timer = do_bench_median, log: Callable[[str], None] = print, board: Board | None = None,
-              timm_module: torch.nn.Module | None = None) -> dict:
-    """Time every system at every batch size (and with a board, read its energy over a sustained run of each);
-    write bench.json (after each batch size) and a plot."""
+              timm_module: torch.nn.Module | None = None, profile: bool = False) -> dict:
+    """Time every system at every batch size (and with a board, read its energy over a sustained run of each;
+    with profile, at the largest batch size each system's kernels by class: kernel_profile); write bench.json
+    (after each batch size) and a plot."""
     result = dict(model=model_name, config=cfg.to_dict(), dtype=str(dtype).removeprefix("torch."),
                   float32_matmul_precision=torch.get_float32_matmul_precision(),
                   flops_per_image=model_flops(cfg), environment=environment(device), rows=[], skipped={})
@@ -141,6 +143,9 @@ def run_bench(model_name: str, cfg: ViTConfig, batch_sizes: Sequence[int], dtype
                 flops = result["flops_per_image"] * batch
                 row.update(images_per_s=batch / row["ms"] * 1e3, tflops=flops / row["ms"] / 1e9)
                 row["mfu"] = row["tflops"] / result["ceilings"]["matmul_tflops"]
+                if profile and batch == max(batch_sizes):
+                    with torch.inference_mode():
+                        row["kernels"] = kernel_profile(lambda: system.run(pixels))
                 log(f"  batch {batch:4d}  {system.name:38s} {row['ms']:9.3f} ms  {row['images_per_s']:9.0f} img/s"
                     f"  {row['tflops']:6.1f} TFLOP/s" + (f"  {1000 * row['joules_per_image']:8.2f} mJ/img  "
                                                         f"{row['watts']:4.0f} W" if board else ""))

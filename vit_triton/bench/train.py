@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from .costs import model_flops
 from .harness import Timer, do_bench_median, environment, measure_ceilings, write_result
 from .numerics import rel_err
+from .profile import kernel_profile
 
 PRECISIONS = ("bf16-mixed", "bf16")
 TRAIN_SYSTEMS = ("vit-triton", "vit-triton+cudagraph", "timm", "timm+compile")
@@ -147,9 +148,10 @@ def check_step(ours: torch.nn.Module, timm_ref: torch.nn.Module, pixels: torch.T
 def run_train_bench(model_name: str, timm_module: torch.nn.Module, batch_sizes: Sequence[int],
                     precisions: Sequence[str], device: torch.device, out_dir: Path | None = None,
                     systems: Sequence[str] = TRAIN_SYSTEMS, timer: Timer = do_bench_median,
-                    log: Callable[[str], None] = print, attention_shapes=ATTENTION_SHAPES) -> dict:
+                    log: Callable[[str], None] = print, attention_shapes=ATTENTION_SHAPES, profile: bool = False) -> dict:
     """Time a training step of every system at every batch size and precision (a model without a classifier given
-    one, with_classifier); then the attention backward. Writes bench.json (after each row) and a plot."""
+    one, with_classifier; with profile, at the largest batch size each step's kernels by class: kernel_profile);
+    then the attention backward. Writes bench.json (after each row) and a plot."""
     from ..loaders import timm_config_to_vit
 
     cfg = timm_config_to_vit(with_classifier(timm_module))
@@ -179,7 +181,8 @@ def run_train_bench(model_name: str, timm_module: torch.nn.Module, batch_sizes: 
             for name, model in built.items():
                 row = dict(system=name, precision=precision, batch=batch)
                 try:
-                    row.update(_time_step(model, pixels, labels, mixed, timer, graphed=name.endswith("+cudagraph")))
+                    row.update(_time_step(model, pixels, labels, mixed, timer, graphed=name.endswith("+cudagraph"),
+                                          profile=profile and batch == max(batch_sizes)))
                 except Exception as e:   # a peer that fails (out of memory) is recorded, not fatal
                     row["error"] = f"{type(e).__name__}: {e}"[:300]
                     log(f"  {name} {precision} batch {batch}: {row['error']}")
@@ -205,7 +208,7 @@ def run_train_bench(model_name: str, timm_module: torch.nn.Module, batch_sizes: 
     return result
 
 
-def _time_step(model, pixels, labels, mixed: bool, timer: Timer, graphed: bool = False) -> dict:
+def _time_step(model, pixels, labels, mixed: bool, timer: Timer, graphed: bool = False, profile: bool = False) -> dict:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     if graphed:
@@ -220,7 +223,10 @@ def _time_step(model, pixels, labels, mixed: bool, timer: Timer, graphed: bool =
     step()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() / 2 ** 30
-    return dict(ms=timer(step), peak_mem_gib=peak)
+    row = dict(ms=timer(step), peak_mem_gib=peak)
+    if profile:
+        row["kernels"] = kernel_profile(step)
+    return row
 
 
 def attention_backward_times(batch: int, heads: int, tokens: int, head_dim: int, device: torch.device,
