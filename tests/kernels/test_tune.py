@@ -11,10 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 
 from tests.kernels.checks import check, rand
 from vit_triton.kernels import linear
-from vit_triton.kernels.tuning import Config, Tuner, size_bucket
+from vit_triton.kernels import tuning
+from vit_triton.kernels.tuning import Config, Tuner, candidates_digest, size_bucket, tuned_picks
 
 pytestmark = pytest.mark.tuning
 
@@ -79,6 +81,80 @@ def test_changed_source_or_candidates_are_timed_afresh(cache_dir):
         timer = FakeTimer(times)
         Tuner("k", source, timer).pick(("a",), configs, lambda c: c)
         assert timer.calls == len(configs)
+
+
+@pytest.fixture
+def shipped(tmp_path, monkeypatch):
+    """The package's shipped picks read from a folder of the test's own (tuned/cpu.json, the CPU's name)."""
+    monkeypatch.setattr(tuning, "SHIPPED_DIR", tmp_path / "tuned")
+    tuning.shipped_picks.cache_clear()
+    yield tmp_path / "tuned" / "cpu.json"
+    tuning.shipped_picks.cache_clear()
+
+
+def ship(path, picks):
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps(picks))
+    tuning.shipped_picks.cache_clear()
+
+
+def test_a_shipped_pick_is_launched_not_timed(cache_dir, shipped):
+    ship(shipped, {"k": {candidates_digest(CONFIGS): {repr(("a",)): list(CONFIGS[2])}}})
+    timer, launched = FakeTimer({}), []   # timing anything raises KeyError
+    assert Tuner("k", "source", timer).pick(("a",), CONFIGS, launched.append) == CONFIGS[2]
+    assert timer.calls == 0 and launched == [CONFIGS[2]], "launched once (compiled), timed against nothing"
+    (saved,) = cache_dir.glob("k-*.json")   # and kept with the process's own picks
+    assert json.loads(saved.read_text()) == {repr(("a",)): list(CONFIGS[2])}
+
+
+def test_shipped_picks_for_another_key_kernel_or_candidate_list_are_not_taken(shipped):
+    times = {CONFIGS[0]: 3.0, CONFIGS[1]: 1.0, CONFIGS[2]: 2.0}
+    ship(shipped, {"k": {candidates_digest(CONFIGS): {repr(("a",)): list(CONFIGS[2])},
+                         candidates_digest(CONFIGS[:2]): {repr(("b",)): list(CONFIGS[2])}},   # not a candidate
+                   "other": {candidates_digest(CONFIGS): {repr(("c",)): list(CONFIGS[2])}}})
+    for key, configs in ((("b",), CONFIGS[:2]), (("c",), CONFIGS), (("d",), CONFIGS)):
+        timer = FakeTimer(times)
+        assert Tuner("k", "source", timer).pick(key, configs, lambda c: c) == CONFIGS[1]
+        assert timer.calls == len(configs)
+
+
+def test_a_shipped_pick_that_does_not_fit_this_gpu_is_tuned_over(shipped):
+    ship(shipped, {"k": {candidates_digest(CONFIGS): {repr(("a",)): list(CONFIGS[0])}}})
+
+    def launch(config):
+        if config == CONFIGS[0]:
+            raise triton.runtime.errors.OutOfResources(240000, 232448, "shared memory")
+        return config
+
+    timer = FakeTimer({CONFIGS[1]: 1.0, CONFIGS[2]: 2.0})
+    assert Tuner("k", "source", timer).pick(("a",), CONFIGS, launch) == CONFIGS[1]
+    assert timer.calls == 3
+
+
+def test_tuned_picks_ship_to_a_new_machine(cache_dir, shipped, tmp_path, monkeypatch):
+    # A process tunes; its picks, in the shipped layout, let a process with an empty cache time nothing.
+    tuner = Tuner("shipping", "source", FakeTimer({CONFIGS[0]: 3.0, CONFIGS[1]: 1.0, CONFIGS[2]: 2.0}))
+    tuner.pick(("a", 7), CONFIGS, lambda c: c)
+    picks = tuned_picks()["cpu"]["shipping"]
+    assert picks == {candidates_digest(CONFIGS): {repr(("a", 7)): list(CONFIGS[1])}}
+    ship(shipped, {"shipping": picks})
+    monkeypatch.setenv("VIT_TRITON_CACHE_DIR", str(tmp_path / "new machine"))
+    later = FakeTimer({})
+    assert Tuner("shipping", "source", later).pick(("a", 7), CONFIGS, lambda c: c) == CONFIGS[1]
+    assert later.calls == 0
+
+
+def test_ship_tuned_merges_into_the_gpus_file(tmp_path):
+    from tests.scripts import load_script
+
+    merge_into = load_script("ship_tuned.py").merge_into
+    path = tmp_path / "tuned" / "nvidia_h200.json"
+    merge_into(path, {"linear": {"d1": {"(1,)": [1], "(2,)": [2]}}, "attention": {"d2": {"(3,)": [3]}}})
+    held = merge_into(path, {"linear": {"d1": {"(2,)": [5]}, "d3": {"(4,)": [4]}}})
+    assert held == json.loads(path.read_text()) == {"linear": {"d1": {"(1,)": [1], "(2,)": [5]}, "d3": {"(4,)": [4]}},
+                                                    "attention": {"d2": {"(3,)": [3]}}}
+    assert [p.name for p in path.parent.iterdir()] == ["nvidia_h200.json"]
+    assert tuning.shipped_file("NVIDIA H200").name == "nvidia_h200.json"
 
 
 def test_one_candidate_is_not_timed():

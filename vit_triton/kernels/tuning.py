@@ -18,6 +18,12 @@ So linear's and attention's launchers time their candidates themselves, through 
 - one process of a host tunes at a time (a lock file beside the choices), and a key another process chose
   meanwhile is taken, not timed again: candidates that sum in another order give other roundings, so torchrun's
   ranks, starting together, must share their picks to compute what one GPU computes;
+- a key with no pick on disk takes the one the package ships for the GPU, where it has one
+  (kernels/tuned/<gpu>.json, written by scripts/ship_tuned.py on that GPU for the shapes users run, as vLLM
+  ships its kernel configs): launched once, which compiles it, and timed against nothing, so a first run on a
+  known GPU compiles one config a key instead of every candidate. The shipped picks are keyed by the candidate
+  list, not by the kernel's source: after an edit they are still taken, the one that no longer fits this GPU's
+  resources is tuned over;
 - inside a CUDA-graph capture nothing can be timed: an unseen key takes the first candidate
   (vit_triton.compile warms up before it captures, so its graphs hold tuned launches).
 
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -173,6 +180,47 @@ class _HostLock:
 _HOST_LOCK = _HostLock()
 
 
+SHIPPED_DIR = Path(__file__).parent / "tuned"
+
+
+def gpu_name(device: torch.device | None) -> str:
+    """The device's name as picks are filed under it: CUDA's name of the GPU, "cpu" otherwise."""
+    return torch.cuda.get_device_name(device) if device is not None and device.type == "cuda" else "cpu"
+
+
+def shipped_file(gpu: str) -> Path:
+    """The package's picks for a GPU (gpu_name): NVIDIA H200 -> tuned/nvidia_h200.json."""
+    return SHIPPED_DIR / ("".join(c if c.isalnum() else "_" for c in gpu.lower()) + ".json")
+
+
+def candidates_digest(configs: Sequence[Config]) -> str:
+    """A short name of a candidate list: shipped picks are filed under it."""
+    return hashlib.sha256(repr(list(configs)).encode()).hexdigest()[:12]
+
+
+@functools.cache
+def shipped_picks(gpu: str) -> dict:
+    """{tuner name: {candidates_digest: {repr(key): config}}} that the package ships for `gpu`; {} for none."""
+    try:
+        return json.loads(shipped_file(gpu).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+_TUNERS: list[Tuner] = []
+
+
+def tuned_picks() -> dict[str, dict]:
+    """Every pick this process's tuners made or read, in shipped_picks' layout, per GPU: what
+    scripts/ship_tuned.py files into the package."""
+    out: dict[str, dict] = {}
+    for tuner in _TUNERS:
+        for (key, configs, device), config in tuner.picks():
+            by_digest = out.setdefault(gpu_name(device), {}).setdefault(tuner.name, {})
+            by_digest.setdefault(candidates_digest(configs), {})[repr(key)] = list(config)
+    return out
+
+
 class Tuner:
     """Picks the fastest Config per key for one kernel; `source` is the kernel's source text (a change
     to it starts a new cache file); `timer(fn)` gives fn's time (default: CUDA-graph replays, ms)."""
@@ -182,6 +230,11 @@ class Tuner:
         self._timer = timer or graph_time
         self._source_hash = hashlib.sha256(source.encode()).hexdigest()[:16]
         self._picks: dict[tuple, Config] = {}
+        _TUNERS.append(self)
+
+    def picks(self) -> list[tuple[tuple, Config]]:
+        """((key, candidates, device), config) of each pick made or read so far."""
+        return list(self._picks.items())
 
     def pick(self, key: tuple, configs: Sequence[Config], launch: Callable[[Config], object],
              device: torch.device | None = None) -> Config:
@@ -204,6 +257,11 @@ class Tuner:
                 return self._picks[memo]
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 return configs[0]
+            shipped = self._shipped(name, configs, launch, device)
+            if shipped is not None:
+                self._picks[memo] = shipped
+                self._write(path, name, shipped)
+                return shipped
             times = {}
             for config in configs:
                 try:
@@ -215,9 +273,20 @@ class Tuner:
             self._write(path, name, best)
             return best
 
+    def _shipped(self, name: str, configs: Sequence[Config], launch: Callable[[Config], object],
+                 device: torch.device | None) -> Config | None:
+        """The package's pick for this key on this GPU, if it ships one among `configs` that launches here."""
+        saved = shipped_picks(gpu_name(device)).get(self.name, {}).get(candidates_digest(configs), {}).get(name)
+        if saved is None or Config(*saved) not in configs:
+            return None
+        try:
+            launch(Config(*saved))
+        except triton.runtime.errors.OutOfResources:
+            return None
+        return Config(*saved)
+
     def _file(self, configs: Sequence[Config], device: torch.device | None) -> Path:
-        gpu = torch.cuda.get_device_name(device) if device is not None and device.type == "cuda" else "cpu"
-        ident = "|".join([self._source_hash, triton.__version__, gpu, repr(list(configs))])
+        ident = "|".join([self._source_hash, triton.__version__, gpu_name(device), repr(list(configs))])
         return cache_dir() / f"{self.name}-{hashlib.sha256(ident.encode()).hexdigest()[:20]}.json"
 
     @staticmethod
