@@ -1,6 +1,7 @@
 """FLOP and byte counts against values computed by hand."""
 
 import pytest
+import torch
 
 from vit_triton.bench.costs import forward_costs, linear_cost, model_flops
 from vit_triton.model import PRESETS, ViTConfig
@@ -61,3 +62,28 @@ def test_embed_norm_adds_the_position_table():
     assert costs["layer_norm embed"].bytes == 4 * (2 * 32 * 64 + 64 + 16 * 64)
     assert costs["layer_norm embed"].dims["post_add"] == 16
     assert costs["patch_embed"].bytes == 4 * (2 * 3 * 32 * 32 + 64 * 192 + 32 * 64)
+
+
+def test_a_relative_position_bias_adds_its_bytes_to_attention():
+    # BEiT: each head's bias [H, T, T] in the model's dtype, read by every attention launch; no FLOPs counted
+    plain = ViTConfig(image_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=2, mlp_dim=64)
+    for mode in ("block", "shared"):
+        cfg = ViTConfig(image_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=2, mlp_dim=64,
+                        rel_pos_bias=mode, abs_pos_embed=False)
+        ours, theirs = ({c.name: c for c in forward_costs(x, 3, 2)}["fused_attention"] for x in (cfg, plain))
+        assert ours.bytes == theirs.bytes + 2 * 2 * 17 * 17 and ours.flops == theirs.flops
+        assert ours.dims["bias"] and not theirs.dims["bias"]
+
+
+def test_the_kernel_checks_of_a_relative_position_bias_model():
+    # verify's per-kernel checks (and --kernels' timings) call the attention with the model's bias
+    from vit_triton.bench.verify import kernel_checks
+    from vit_triton.bench.workloads import forward_workloads
+
+    cfg = ViTConfig(image_size=40, patch_size=8, embed_dim=64, depth=1, num_heads=2, mlp_dim=64,
+                    rel_pos_bias="block", abs_pos_embed=False)
+    (attention,) = [w for w in forward_workloads(cfg, 2, torch.float32, torch.device("cpu"))
+                    if w.cost.kind == "fused_attention"]
+    assert attention.inputs[1].shape == (2, 26, 26)
+    checks = kernel_checks(cfg, 2, torch.float32, torch.device("cpu"))
+    assert [c.name for c in checks if not c.ok] == []

@@ -68,6 +68,7 @@ def forward_costs(cfg: ViTConfig, batch: int, elem: int) -> list[KernelCost]:
     pixels = batch * cfg.in_chans * cfg.image_size ** 2
     pos = (t if cfg.pos_embed_prefix else cfg.num_patches) * d if cfg.abs_pos_embed else 0
     rms = cfg.norm == "rmsnorm"
+    bias = cfg.rel_pos_bias != "none"   # each head's score bias [H, T, T], read once a launch (then from L2)
 
     def ln(name, rows, count=1, width=d, post_add=0):   # post_add: the rows of a table added after the norm
         return KernelCost(name, "layer_norm", f"{rows}x{width}", 8 * rows * width,
@@ -87,7 +88,8 @@ def forward_costs(cfg: ViTConfig, batch: int, elem: int) -> list[KernelCost]:
         ln("layer_norm", m, 2 * depth),
         linear_cost("linear qkv", m, 3 * d, d, elem, bias=cfg.qkv_bias, count=depth),
         KernelCost("fused_attention", "fused_attention", f"{batch}x{cfg.num_heads}x{t}x{cfg.head_dim}",
-                   4 * batch * t * t * d, 4 * m * d * elem, depth, dict(batch=batch)),
+                   4 * batch * t * t * d, (4 * m * d + bias * cfg.num_heads * t * t) * elem, depth,
+                   dict(batch=batch, bias=bias)),
         linear_cost("linear proj +res", m, d, d, elem, bias=cfg.proj_bias, residual=True, count=depth),
         linear_cost(f"linear fc1 +{cfg.act}", m, 2 * f if cfg.act == "swiglu" else f, d, elem, bias=cfg.mlp_bias,
                     act=cfg.act, count=depth),

@@ -35,9 +35,9 @@ def patch_embed_torch(px, w, b, pos, pre):
     return x + pos if covers_prefix else x
 
 
-def _attention_torch(qkv):
+def _attention_torch(qkv, bias=None):
     q, k, v = qkv.permute(2, 0, 3, 1, 4)
-    return F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias).transpose(1, 2)
 
 
 def forward_workloads(cfg: ViTConfig, batch: int, dtype: torch.dtype, device: torch.device) -> list[Workload]:
@@ -76,8 +76,9 @@ def forward_workloads(cfg: ViTConfig, batch: int, dtype: torch.dtype, device: to
             return Workload(c, lambda x, w, b, r: linear(x, w, b, activation=act, residual=r), ref, inputs)
         if c.kind == "fused_attention":
             qkv = rand(batch, t, 3, cfg.num_heads, cfg.head_dim)
-            return Workload(c, lambda qkv: fused_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]),
-                            _attention_torch, (qkv,))
+            bias = rand(cfg.num_heads, t, t) if c.dims["bias"] else None   # BEiT's, in the model's dtype
+            return Workload(c, lambda qkv, b: fused_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], bias=b),
+                            _attention_torch, (qkv, bias))
         if c.kind == "token_mean":
             start = cfg.num_prefix_tokens
             return Workload(c, lambda x: token_mean(x, start), lambda x: x[:, start:].mean(1), (rand(batch, t, d),))
