@@ -26,9 +26,9 @@ import time
 from pathlib import Path
 
 # The families' sizes that bench and embed run (README's tables).
-MODELS = ("vit_base_patch16_224", "vit_large_patch16_224", "vit_large_patch14_clip_336", "vit_large_patch14_reg4_dinov2",
-          "vit_large_patch16_dinov3", "eva02_base_patch14_448", "vit_so400m_patch14_siglip_384",
-          "beit_base_patch16_224")
+MODELS = ("vit_base_patch16_224", "vit_large_patch16_224", "vit_large_patch14_clip_336",
+          "vit_large_patch14_reg4_dinov2", "vit_large_patch16_dinov3", "eva02_base_patch14_448",
+          "vit_so400m_patch14_siglip_384", "beit_base_patch16_224")
 
 
 def merge_into(path: Path, picks: dict) -> dict:

@@ -148,7 +148,8 @@ def check_step(ours: torch.nn.Module, timm_ref: torch.nn.Module, pixels: torch.T
 def run_train_bench(model_name: str, timm_module: torch.nn.Module, batch_sizes: Sequence[int],
                     precisions: Sequence[str], device: torch.device, out_dir: Path | None = None,
                     systems: Sequence[str] = TRAIN_SYSTEMS, timer: Timer = do_bench_median,
-                    log: Callable[[str], None] = print, attention_shapes=ATTENTION_SHAPES, profile: bool = False) -> dict:
+                    log: Callable[[str], None] = print, attention_shapes=ATTENTION_SHAPES,
+                    profile: bool = False) -> dict:
     """Time a training step of every system at every batch size and precision (a model without a classifier given
     one, with_classifier; with profile, at the largest batch size each step's kernels by class: kernel_profile);
     then the attention backward. Writes bench.json (after each row) and a plot."""
