@@ -43,6 +43,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 
+from vit_triton.cli import EMBED_TIME_LINE  # noqa: E402 -- the line embed's log says where its time went in
 from vit_triton.pipelines.embed import CHUNK_SIZE, GPU_BATCH_SIZE  # noqa: E402 -- embed's defaults
 
 SIZES = [(400, 300), (300, 400), (640, 480), (480, 640), (800, 600), (1024, 768), (1280, 960), (1600, 1200),
@@ -234,15 +235,12 @@ def run_embed(checkpoint: Path, input_spec: str, output: Path, batch_size: int, 
             "gpu_util_percent": load.gpu_util}
 
 
-TIME_LINE = "vit-triton embed: time: "
-
-
 def logged_phases(stderr: str) -> dict[str, float]:
     """The seconds of each phase in embed's time line ("imports 2.1 s, device 0.6 s, ..."), in order."""
     for line in stderr.splitlines():
-        if line.startswith(TIME_LINE):
-            return {name: float(seconds) for name, seconds in
-                    (part.removesuffix(" s").rsplit(" ", 1) for part in line.removeprefix(TIME_LINE).split(", "))}
+        if line.startswith(EMBED_TIME_LINE):
+            parts = line.removeprefix(EMBED_TIME_LINE).split(", ")
+            return {name: float(seconds) for name, seconds in (p.removesuffix(" s").rsplit(" ", 1) for p in parts)}
     return {}
 
 

@@ -16,6 +16,7 @@ from .utils import MissingExtra, batch_sizes, image_size, natural_int, positive_
 # (torch_dtype gives the dtype, and takes bench's tf32 too).
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EMBED_TIME_LINE = "vit-triton embed: time: "   # then each phase's seconds: "imports 2.1 s, device 0.6 s, ..."
 _EXIT_CODES = """exit status:
   0    success (embed: every input embedded, or listed with its reason in the .skipped.tsv file)
   1    failure: a checkpoint that cannot be used, an I/O error, ... (message on stderr);
@@ -540,7 +541,7 @@ def _embed(args: argparse.Namespace) -> int:
                         f"GPU and {summary.cpu_decoded} on the CPU")
         if summary.phases:
             phases = {"imports": imports, **summary.phases}
-            print("vit-triton embed: time: " + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in phases.items()),
+            print(EMBED_TIME_LINE + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in phases.items()),
                   file=sys.stderr, flush=True)
         print(f"vit-triton embed: done {summary.done}, skipped {summary.skipped} (listed in "
               f"{summary.skipped_file}); this run: {this_run} -> {summary.output}", flush=True)
