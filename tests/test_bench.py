@@ -339,6 +339,7 @@ def test_families_are_checked_against_their_transformers_model(timm_name, hf_cla
     assert check["ok"], check
 
 
+@on_the_cpu
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16"])
 def test_the_training_step_check_of_an_encoder_with_a_new_head(precision):
     """bench --train on a SigLIP encoder (no classifier: timm's new head added, as a fine-tuning run adds one): the

@@ -80,10 +80,11 @@ def test_the_kernel_checks_of_a_relative_position_bias_model():
     from vit_triton.bench.verify import kernel_checks
     from vit_triton.bench.workloads import forward_workloads
 
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = ViTConfig(image_size=40, patch_size=8, embed_dim=64, depth=1, num_heads=2, mlp_dim=64,
                     rel_pos_bias="block", abs_pos_embed=False)
-    (attention,) = [w for w in forward_workloads(cfg, 2, torch.float32, torch.device("cpu"))
+    (attention,) = [w for w in forward_workloads(cfg, 2, torch.float32, device)
                     if w.cost.kind == "fused_attention"]
     assert attention.inputs[1].shape == (2, 26, 26)
-    checks = kernel_checks(cfg, 2, torch.float32, torch.device("cpu"))
+    checks = kernel_checks(cfg, 2, torch.float32, device)
     assert [c.name for c in checks if not c.ok] == []
