@@ -284,6 +284,16 @@ def test_the_result_loads_in_vit_triton_and_timm_with_its_labels(trained, work):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="one process on a GPU replays a CUDA graph of each step")
+def test_the_graphed_steps_train_what_eager_ones_do(trained, work):
+    # KILLED has drop path and dropout on: the replays draw their numbers from the generator as eager steps do
+    status, _, err = _finetune(*KILLED, "--output", "eager", "--no-cuda-graph")
+    assert status == 0, err
+    graphed, eager = _weights(trained[0]), _weights(work / "eager")
+    assert graphed.keys() == eager.keys() and all(torch.equal(graphed[k], eager[k]) for k in graphed)
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="Linux: the run's DataLoader worker dies with it")
 def test_resume_after_kill_9_ends_on_the_uninterrupted_runs_weights(trained, work):
     """The killed run reads with a worker process where the uninterrupted one read in its own: each image's

@@ -274,6 +274,11 @@ several GPUs: torchrun --nproc-per-node N -m vit_triton finetune TRAIN --model M
                           help="train the head alone: the backbone is frozen and runs without autograd")
     finetune.add_argument("--grad-checkpointing", action="store_true",
                           help="activation checkpointing: each block's forward runs again in the backward, for memory")
+    finetune.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
+                          help="issue each step's kernels from Python, as eagerly as PyTorch does (by default one "
+                               "process on a GPU captures a micro-batch's forward and backward as a CUDA graph and "
+                               "replays it: the same computation, without the Python that bounds an eager step; "
+                               "torchrun's processes and --grad-checkpointing run eagerly)")
     finetune.add_argument("--precision", choices=["bf16-mixed", "bf16", "fp32"], default=None,
                           help="bf16-mixed: float32 weights, bfloat16 compute (torch.autocast); bf16: all bfloat16; "
                                "fp32 (default bf16-mixed on a GPU, fp32 in the CPU interpreter)")
@@ -562,6 +567,7 @@ def _finetune(args: argparse.Namespace) -> int:
         linear_probe=args.linear_probe, grad_checkpointing=args.grad_checkpointing, precision=args.precision,
         seed=args.seed, workers=args.workers, checkpoint_every=args.checkpoint_every,
         log_interval=args.log_interval, resume=args.resume, device=args.device, progress=args.progress,
+        cuda_graph=args.cuda_graph,
     ))
     if summary is not None:  # rank 0
         validated = (f"validation top-1 {100 * summary.val_top1:.2f}% (loss {summary.val_loss:.4f}) on "
