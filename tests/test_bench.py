@@ -291,6 +291,16 @@ def test_format_kernel_classes():
                                                                               ["launches", "30", "30"]]
 
 
+def test_own_times_leave_out_the_wait_for_the_kernel_before():
+    # spans as torch.profiler gives them, out of order: b launched early waits for a, c runs alone, d lies inside c
+    from vit_triton.bench.profile import own_times
+
+    spans = [(30.0, 36.0), (0.0, 10.0), (4.0, 15.0), (31.0, 33.0), (20.0, 21.0)]
+    assert own_times(spans) == [6.0, 10.0, 5.0, 0.0, 1.0]
+    assert sum(own_times(spans)) == 10 + 5 + 1 + 6   # the time any of them ran
+    assert own_times([]) == []
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.profiler's CUDA kernels")
 def test_kernel_profile_of_a_matmul_and_a_norm():
     from vit_triton.bench.profile import kernel_profile

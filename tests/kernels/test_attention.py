@@ -115,6 +115,19 @@ def test_head_dim_72(dtype):
     attend(*qkv(3, 37, 2, 72, dtype))
 
 
+@pytest.mark.parametrize("head_dim, strides, align", [(72, None, 8), (64, None, 16), (80, None, 16),
+                                                      (20, None, 4), (72, (0, 72), 8), (24, (3 * 24, 1), 1)])
+def test_alignment_divides_every_batch_and_head_stride(head_dim, strides, align):
+    # the kernels' ALIGN: the largest power of two up to 16 dividing the strides the hint claims it divides
+    from vit_triton.kernels.attention import alignment
+
+    qkv = torch.empty(2, 5, 3, 4, head_dim).unbind(2)   # a QKV GEMM's output: 3 * H * Dh a token, Dh a head
+    tensors = list(qkv)
+    if strides is not None:   # another tensor whose batch and head strides are these
+        tensors.append(torch.empty(10_000).as_strided((2, 5, 4, head_dim), (strides[0], 4 * 16 * 3, strides[1], 1)))
+    assert alignment(*tensors) == align
+
+
 @each_dtype
 @pytest.mark.parametrize("tokens, head_dim", [(37, 80), (197, 64)])
 @pytest.mark.usefixtures("path")

@@ -270,3 +270,18 @@ def test_processes_tuning_together_share_one_pick(cache_dir):
     (pick0, timed0), (pick1, timed1) = (r.communicate(timeout=120)[0].split() for r in ranks)
     assert pick0 == pick1
     assert sorted([int(timed0), int(timed1)]) == [0, 2], "one rank times both candidates, the other none"
+
+
+def test_the_shipped_files_hold_launch_configs_of_known_tuners():
+    # each file under kernels/tuned: {tuner: {candidates digest: {key: config}}}, read back as the tuner reads it
+    files = sorted(tuning.SHIPPED_DIR.glob("*.json"))
+    assert files, "no shipped picks"
+    names = {"attention", "attention_backward", "linear", "linear_backward"}
+    for path in files:
+        picks = json.loads(path.read_text())
+        assert set(picks) <= names, path
+        for by_digest in picks.values():
+            for by_key in by_digest.values():
+                for config in by_key.values():
+                    config = Config(*config)
+                    assert config.block_m > 0 and config.warps in (1, 2, 4, 8, 16) and config.stages > 0

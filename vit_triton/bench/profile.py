@@ -28,10 +28,26 @@ def kernel_class(name: str) -> str:
     return next((cls for cls, pattern in _PATTERNS if pattern.search(name)), "other")
 
 
+def own_times(spans: Sequence[tuple[float, float]]) -> list[float]:
+    """Each (start, end) span's own time: from the later of its start and the latest end of the spans that started
+    before it, to its end (0 if they cover it). A kernel launched early (programmatic dependent launch) waits for
+    the one before it to finish; that wait is the other kernel's time, not its own. The own times add up to the
+    time the GPU was busy with any of them."""
+    order = sorted(range(len(spans)), key=lambda i: spans[i][0])
+    out = [0.0] * len(spans)
+    busy_until = float("-inf")
+    for i in order:
+        start, end = spans[i]
+        out[i] = max(0.0, end - max(start, busy_until))
+        busy_until = max(busy_until, end)
+    return out
+
+
 def kernel_profile(fn: Callable[[], object], passes: int = 3, top: int = 12) -> dict:
     """fn's GPU work per call, from `passes` calls under torch.profiler after one unprofiled call: microseconds in
     each class (CLASSES), their total, the kernels launched, and the `top` costliest kernels as [name, us, launches]
-    per call. Kernels run back to back in one stream, so the total is the GPU's busy time, not the wall clock."""
+    per call. Each kernel counts its own time (own_times), so the total is the GPU's busy time, not the wall
+    clock."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -40,12 +56,13 @@ def kernel_profile(fn: Callable[[], object], passes: int = 3, top: int = 12) -> 
         for _ in range(passes):
             fn()
         torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    own = own_times([(e.time_range.start, e.time_range.end) for e in events])
     per_name: dict[str, list[float]] = {}
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            entry = per_name.setdefault(event.name, [0.0, 0])
-            entry[0] += event.time_range.elapsed_us() / passes
-            entry[1] += 1 / passes
+    for event, us in zip(events, own):
+        entry = per_name.setdefault(event.name, [0.0, 0])
+        entry[0] += us / passes
+        entry[1] += 1 / passes
     classes = dict.fromkeys(CLASSES, 0.0)
     for name, (us, _) in per_name.items():
         classes[kernel_class(name)] += us

@@ -91,6 +91,14 @@ def _bias(s, bias_base, rows, cols, T_Q, T_K, bias_mult, HAS_BIAS: tl.constexpr)
 
 
 @triton.jit
+def _head(ptr, b, h, s_b, s_h, ALIGN: tl.constexpr):
+    """ptr's slice of image b and head h. ALIGN, a power of two, divides both strides: Triton cannot see it in a
+    head stride that is no multiple of 16 (head dim 72), and without it a row's loads go element by element
+    instead of in 16-byte vectors (2.3x slower at 729 tokens)."""
+    return ptr + tl.multiple_of(b * s_b + h * s_h, ALIGN)
+
+
+@triton.jit
 def _scores(q, k_base, start, T, sk_t, offs_d, mask_d, bias_base, offs_m, T_Q, bias_mult,
             INPUT_PRECISION: tl.constexpr, QKV_TF32: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
             MASKED: tl.constexpr):
@@ -169,7 +177,8 @@ def _attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bias_ptr,
     T_K, H, T_Q, qk_scale, bias_mult,   # keys, queries; the bias is added to the scores over the scale
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ALIGN: tl.constexpr,   # ALIGN: _head's
+    INPUT_PRECISION: tl.constexpr, PDL: tl.constexpr,
     QKV_TF32: tl.constexpr, O_TF32: tl.constexpr,   # q, k, v hold tf32 values already; o stored rounded to tf32
     STORE_LSE: tl.constexpr,   # also store each query row's log-sum-exp (training: the backward's softmax)
     HAS_BIAS: tl.constexpr,   # add each head's bias [T_Q, T_K] to its scores
@@ -189,10 +198,10 @@ def _attention_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
 
-    q_ptrs = q_ptr + b * sq_b + h * sq_h + offs_m[:, None] * sq_t + offs_d[None, :]
+    q_ptrs = _head(q_ptr, b, h, sq_b, sq_h, ALIGN) + offs_m[:, None] * sq_t + offs_d[None, :]
     q = tl.load(q_ptrs, mask=(offs_m < T_Q)[:, None] & mask_d[None, :], other=0.0)
-    k_base = k_ptr + b * sk_b + h * sk_h
-    v_base = v_ptr + b * sv_b + h * sv_h
+    k_base = _head(k_ptr, b, h, sk_b, sk_h, ALIGN)
+    v_base = _head(v_ptr, b, h, sv_b, sv_h, ALIGN)
     bias_base = bias_ptr + h * T_Q * T_K if HAS_BIAS else bias_ptr
 
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
@@ -218,7 +227,7 @@ def _attention_kernel(
     o = acc / l_i[:, None]
     if O_TF32:
         o = to_tf32(o)
-    o_ptrs = o_ptr + b * so_b + h * so_h + offs_m[:, None] * so_t + offs_d[None, :]
+    o_ptrs = _head(o_ptr, b, h, so_b, so_h, ALIGN) + offs_m[:, None] * so_t + offs_d[None, :]
     tl.store(o_ptrs, cast(o, o_ptr.dtype.element_ty), mask=(offs_m < T_Q)[:, None] & mask_d[None, :])
     if STORE_LSE:
         # m_i is the row max of the scaled scores in base-2 units: log2(sum) = m_i + log2(l_i).
@@ -257,7 +266,7 @@ def fused_attention(
     scale = check_scale(scale, Dh)
     precision = input_precision(q.dtype, allow_tf32)
 
-    flags = dict(HEAD_DIM=Dh, BLOCK_D=block_d(Dh), INPUT_PRECISION=precision,
+    flags = dict(HEAD_DIM=Dh, BLOCK_D=block_d(Dh), ALIGN=alignment(q, k, v, out), INPUT_PRECISION=precision,
                  QKV_TF32=precision == "tf32" and tf32_input, O_TF32=precision == "tf32" and tf32_output,
                  STORE_LSE=lse is not None, HAS_BIAS=bias is not None,
                  **pdl(q.device, B * H * cdiv(Tq, SMALLEST_BLOCK_M)))
@@ -286,7 +295,8 @@ def fused_attention(
 
 @triton.jit
 def _delta_kernel(o_ptr, do_ptr, delta_ptr, T_Q, H, so_b, so_t, so_h, sdo_b, sdo_t, sdo_h,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr):
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ALIGN: tl.constexpr, BLOCK_M: tl.constexpr,
+                  PDL: tl.constexpr):
     """delta [B, H, Tq] = rowsum(dO * O) in fp32: the row term of dS = P * (dP - delta), since
     sum_j P_ij dP_ij = dO_i . O_i. One program per BLOCK_M query rows of one head."""
     wait_for_previous_kernel(PDL)
@@ -296,8 +306,10 @@ def _delta_kernel(o_ptr, do_ptr, delta_ptr, T_Q, H, so_b, so_t, so_h, sdo_b, sdo
     offs_m = (tl.program_id(0) % q_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_m < T_Q)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    o = tl.load(o_ptr + b * so_b + h * so_h + offs_m[:, None] * so_t + offs_d[None, :], mask=mask, other=0.0)
-    do = tl.load(do_ptr + b * sdo_b + h * sdo_h + offs_m[:, None] * sdo_t + offs_d[None, :], mask=mask, other=0.0)
+    o = tl.load(_head(o_ptr, b, h, so_b, so_h, ALIGN) + offs_m[:, None] * so_t + offs_d[None, :], mask=mask,
+                other=0.0)
+    do = tl.load(_head(do_ptr, b, h, sdo_b, sdo_h, ALIGN) + offs_m[:, None] * sdo_t + offs_d[None, :], mask=mask,
+                 other=0.0)
     start_next_kernel(PDL)
     tl.store(delta_ptr + bh * T_Q + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1), mask=offs_m < T_Q)
 
@@ -412,7 +424,8 @@ def _attention_backward_kernel(
     T_Q, T_K, H, scale, qk_scale, bias_mult,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sdo_b, sdo_t, sdo_h,
     sdq_b, sdq_t, sdq_h, sdk_b, sdk_t, sdk_h, sdv_b, sdv_t, sdv_h,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ALIGN: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
     HAS_BIAS: tl.constexpr, STORE_DBIAS: tl.constexpr,   # the forward's bias; each image's dS stored as its gradient
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -431,30 +444,32 @@ def _attention_backward_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
 
-    q_base = q_ptr + b * sq_b + h * sq_h
-    k_base = k_ptr + b * sk_b + h * sk_h
-    v_base = v_ptr + b * sv_b + h * sv_h
-    do_base = do_ptr + b * sdo_b + h * sdo_h
+    q_base = _head(q_ptr, b, h, sq_b, sq_h, ALIGN)
+    k_base = _head(k_ptr, b, h, sk_b, sk_h, ALIGN)
+    v_base = _head(v_ptr, b, h, sv_b, sv_h, ALIGN)
+    do_base = _head(do_ptr, b, h, sdo_b, sdo_h, ALIGN)
+    dq_base = _head(dq_ptr, b, h, sdq_b, sdq_h, ALIGN)
+    dk_base = _head(dk_ptr, b, h, sdk_b, sdk_h, ALIGN)
+    dv_base = _head(dv_ptr, b, h, sdv_b, sdv_h, ALIGN)
     lse_base = lse_ptr + (b * H + h) * T_Q
     delta_base = delta_ptr + (b * H + h) * T_Q
     bias_base = bias_ptr + h * T_Q * T_K if HAS_BIAS else bias_ptr
     dbias_base = dbias_ptr + (b * H + h) * T_Q * T_K if STORE_DBIAS else dbias_ptr
     if j < k_whole:
-        _dk_dv(q_base, k_base, v_base, do_base, lse_base, delta_base, dk_ptr + b * sdk_b + h * sdk_h,
-               dv_ptr + b * sdv_b + h * sdv_h, j * BLOCK_M, T_Q, T_K, sq_t, sk_t, sv_t, sdo_t, sdk_t, sdv_t, scale,
-               qk_scale, offs_d, mask_d, bias_base, bias_mult, dbias_base, INPUT_PRECISION, HAS_BIAS, STORE_DBIAS,
-               PDL, BLOCK_M, BLOCK_N, False)
-    elif j < k_programs:
-        _dk_dv(q_base, k_base, v_base, do_base, lse_base, delta_base, dk_ptr + b * sdk_b + h * sdk_h,
-               dv_ptr + b * sdv_b + h * sdv_h, k_whole * BLOCK_M + (j - k_whole) * TAIL_N, T_Q, T_K,
+        _dk_dv(q_base, k_base, v_base, do_base, lse_base, delta_base, dk_base, dv_base, j * BLOCK_M, T_Q, T_K,
                sq_t, sk_t, sv_t, sdo_t, sdk_t, sdv_t, scale, qk_scale, offs_d, mask_d, bias_base, bias_mult,
-               dbias_base, INPUT_PRECISION, HAS_BIAS, STORE_DBIAS, PDL, TAIL_N, BLOCK_N, True)
+               dbias_base, INPUT_PRECISION, HAS_BIAS, STORE_DBIAS, PDL, BLOCK_M, BLOCK_N, False)
+    elif j < k_programs:
+        _dk_dv(q_base, k_base, v_base, do_base, lse_base, delta_base, dk_base, dv_base,
+               k_whole * BLOCK_M + (j - k_whole) * TAIL_N, T_Q, T_K, sq_t, sk_t, sv_t, sdo_t, sdk_t, sdv_t, scale,
+               qk_scale, offs_d, mask_d, bias_base, bias_mult, dbias_base, INPUT_PRECISION, HAS_BIAS, STORE_DBIAS,
+               PDL, TAIL_N, BLOCK_N, True)
     elif j < k_programs + q_whole:
-        _dq(q_base, k_base, v_base, do_base, lse_base, delta_base, dq_ptr + b * sdq_b + h * sdq_h,
-            (j - k_programs) * BLOCK_M, T_Q, T_K, sq_t, sk_t, sv_t, sdo_t, sdq_t, scale, qk_scale, offs_d, mask_d,
-            bias_base, bias_mult, INPUT_PRECISION, HAS_BIAS, PDL, BLOCK_M, BLOCK_N, False)
+        _dq(q_base, k_base, v_base, do_base, lse_base, delta_base, dq_base, (j - k_programs) * BLOCK_M, T_Q, T_K,
+            sq_t, sk_t, sv_t, sdo_t, sdq_t, scale, qk_scale, offs_d, mask_d, bias_base, bias_mult, INPUT_PRECISION,
+            HAS_BIAS, PDL, BLOCK_M, BLOCK_N, False)
     else:
-        _dq(q_base, k_base, v_base, do_base, lse_base, delta_base, dq_ptr + b * sdq_b + h * sdq_h,
+        _dq(q_base, k_base, v_base, do_base, lse_base, delta_base, dq_base,
             q_whole * BLOCK_M + (j - k_programs - q_whole) * TAIL_N, T_Q, T_K, sq_t, sk_t, sv_t, sdo_t, sdq_t,
             scale, qk_scale, offs_d, mask_d, bias_base, bias_mult, INPUT_PRECISION, HAS_BIAS, PDL, TAIL_N, BLOCK_N,
             True)
@@ -514,7 +529,8 @@ def attention_backward(
     delta_programs = B * H * cdiv(Tq, DELTA_BLOCK_M)
     _delta_kernel[(delta_programs,)](
         o, do, delta, Tq, H, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
-        HEAD_DIM=Dh, BLOCK_D=block_d(Dh), BLOCK_M=DELTA_BLOCK_M, num_warps=4, **pdl(q.device, delta_programs),
+        HEAD_DIM=Dh, BLOCK_D=block_d(Dh), ALIGN=alignment(o, do), BLOCK_M=DELTA_BLOCK_M, num_warps=4,
+        **pdl(q.device, delta_programs),
     )
 
     def launch(config: Config) -> None:
@@ -526,7 +542,8 @@ def attention_backward(
             v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
             dq_images.stride(0), dq_images.stride(1), dq_images.stride(2),
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-            HEAD_DIM=Dh, BLOCK_D=block_d(Dh), INPUT_PRECISION=precision, HAS_BIAS=bias is not None,
+            HEAD_DIM=Dh, BLOCK_D=block_d(Dh), ALIGN=alignment(q, k, v, do, dq_images, dk, dv),
+            INPUT_PRECISION=precision, HAS_BIAS=bias is not None,
             STORE_DBIAS=dbias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.warps,
             num_stages=config.stages, **pdl(q.device, programs),
         )
@@ -600,6 +617,13 @@ def check_scale(scale: float | None, head_dim: int) -> float:
     if not scale > 0:
         raise ValueError(f"scale must be positive, got {scale}")
     return scale
+
+
+def alignment(*tensors: torch.Tensor) -> int:
+    """The largest power of two up to 16 that divides every batch and head stride of the [B, T, H, Dh] tensors
+    (in elements; a stride of 0 divides by anything): the kernels' ALIGN."""
+    strides = [t.stride(i) for t in tensors for i in (0, 2)]
+    return next(a for a in (16, 8, 4, 2, 1) if all(s % a == 0 for s in strides))
 
 
 def block_d(head_dim: int) -> int:
