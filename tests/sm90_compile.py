@@ -168,19 +168,21 @@ def cases():
             yield linear_case(f"linear{'-tma' * tma}{'-split' * (split_k > 1)}-early", dtype, TINY_M[0], PDL_EARLY,
                               split_k, HAS_BIAS=True, ACT="none", HAS_RESIDUAL=False, HAS_SCALE=False,
                               INPUT_PRECISION="ieee", tma=tma)
+        # SigLIP SO400M's head dim of 72, its head stride a multiple of 8
         yield ("fused_attention", _attention_kernel, dtype, streaming_options,
-               dict(HEAD_DIM=80, BLOCK_D=128, INPUT_PRECISION="ieee", QKV_TF32=False, O_TF32=False, bias_ptr=None,
-                    HAS_BIAS=False, **streaming), None)
+               dict(HEAD_DIM=72, BLOCK_D=128, ALIGN=8, INPUT_PRECISION="ieee", QKV_TF32=False, O_TF32=False,
+                    bias_ptr=None, HAS_BIAS=False, **streaming), None)
         # One pass over 197 keys, as fused_attention launches it at one ViT-B image; with BEiT's bias in bf16.
         for bias in (False, True) if dtype == "bf16" else (False,):
             yield (f"fused_attention{'-bias' * bias}-one-pass-early", _attention_kernel, dtype,
                    {"num_warps": ONE_PASS.warps, "num_stages": ONE_PASS.stages},
-                   dict(HEAD_DIM=64, BLOCK_D=64, INPUT_PRECISION="ieee", QKV_TF32=False, O_TF32=False, PDL=PDL_EARLY,
+                   dict(HEAD_DIM=64, BLOCK_D=64, ALIGN=16, INPUT_PRECISION="ieee", QKV_TF32=False, O_TF32=False,
+                        PDL=PDL_EARLY,
                         **dict(zip(("KEYS0", "KEYS1", "KEYS2"), key_pieces(197))), BLOCK_M=ONE_PASS.block_m,
                         BLOCK_N=ONE_PASS.block_n, HAS_BIAS=bias, **({} if bias else {"bias_ptr": None})), None)
         if dtype == "bf16":
             yield ("fused_attention-bias", _attention_kernel, dtype, streaming_options,
-                   dict(HEAD_DIM=64, BLOCK_D=64, INPUT_PRECISION="ieee", QKV_TF32=False, O_TF32=False,
+                   dict(HEAD_DIM=64, BLOCK_D=64, ALIGN=16, INPUT_PRECISION="ieee", QKV_TF32=False, O_TF32=False,
                         HAS_BIAS=True, **streaming), None)
         yield ("patch_embed", _patch_embed_kernel, dtype, {}, dict(
             PATCH=16, HAS_BIAS=True, HAS_PREFIX=True, HAS_POS=True, POS_HAS_PREFIX=dtype != "fp16",
@@ -210,8 +212,8 @@ def cases():
     yield ("round_to_tf32", _round_to_tf32_kernel, "tf32", {"num_warps": 8}, dict(BLOCK=4096), None)
     for pre in (False, True):
         yield ("fused_attention", _attention_kernel, "tf32", streaming_options,
-               dict(HEAD_DIM=64, BLOCK_D=64, INPUT_PRECISION="tf32", QKV_TF32=pre, O_TF32=pre, bias_ptr=None,
-                    HAS_BIAS=False, **streaming), None)
+               dict(HEAD_DIM=64, BLOCK_D=64, ALIGN=16, INPUT_PRECISION="tf32", QKV_TF32=pre, O_TF32=pre,
+                    bias_ptr=None, HAS_BIAS=False, **streaming), None)
     yield ("layer_norm", _layer_norm_kernel, "tf32", {"num_warps": 4}, dict(HAS_BIAS=True, RMS=False, HAS_ADD=False,
                                                                             NUM_PARTS=2, BLOCK_M=2, BLOCK_D=1024), None)
     # resize (uint8): the weights, torch's bicubic and Pillow's lanczos (float64 sine and cosine), and the passes:
@@ -257,7 +259,7 @@ def linear_backward_case(name: str, dtype: str, dw: bool, split: int = 1, tma: b
 
 def backward_cases():
     """(name, kernel, dtype, options, constexprs, types) of the training kernels, in bf16: each product and
-    epilogue of linear_backward through both paths, attention's backward at a head dim of 64 and of 80, the
+    epilogue of linear_backward through both paths, attention's backward at a head dim of 64 and of 72, the
     norms', the pooling's and the patch embedding's; and linear's in tf32."""
     for tma in (False, True):
         path = "-tma" * tma
@@ -276,13 +278,14 @@ def backward_cases():
     yield ("sum_slices", _sum_kernel, "bf16", row_kernel, dict(BLOCK=1024), {"parts_ptr": "*fp32"})
     yield ("column_sums", _column_sums_kernel, "bf16", row_kernel, dict(ROWS=256, BLOCK_M=32, BLOCK_N=128), None)
     yield ("attention_delta", _delta_kernel, "bf16", row_kernel,
-           dict(HEAD_DIM=64, BLOCK_D=64, BLOCK_M=DELTA_BLOCK_M), None)
+           dict(HEAD_DIM=64, BLOCK_D=64, ALIGN=16, BLOCK_M=DELTA_BLOCK_M), None)
     first = BACKWARD_CANDIDATES[0]
-    for head_dim, width, bias in ((64, 64, False), (80, 128, False), (64, 64, True)):   # BEiT's bias and its dS
+    for head_dim, width, bias in ((64, 64, False), (72, 128, False), (64, 64, True)):   # BEiT's bias and its dS
         absent = {} if bias else {"bias_ptr": None, "dbias_ptr": None}
         yield (f"fused_attention-backward-{head_dim}{'-bias' * bias}", _attention_backward_kernel, "bf16",
                {"num_warps": first.warps, "num_stages": first.stages},
-               dict(HEAD_DIM=head_dim, BLOCK_D=width, INPUT_PRECISION="ieee", HAS_BIAS=bias, STORE_DBIAS=bias,
+               dict(HEAD_DIM=head_dim, BLOCK_D=width, ALIGN=min(16, head_dim & -head_dim), INPUT_PRECISION="ieee",
+                    HAS_BIAS=bias, STORE_DBIAS=bias,
                     BLOCK_M=first.block_m, BLOCK_N=first.block_n, **absent), None)
     for rms in (False, True):   # LayerNorm's dx, d gamma and d beta; RMSNorm's with a post-added table's gradient
         yield (f"layer_norm{'-rms' * rms}-backward", _layer_norm_backward_kernel, "bf16", row_kernel,
