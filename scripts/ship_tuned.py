@@ -34,6 +34,8 @@ MODELS = ("vit_base_patch16_224", "vit_large_patch16_224", "vit_large_patch14_cl
 def merge_into(path: Path, picks: dict) -> dict:
     """picks ({tuner: {candidates digest: {key: config}}}) over those already in the file at `path`, written
     whole to a temporary name and renamed into place. Returns what the file now holds."""
+    from vit_triton.utils import write_atomic
+
     try:
         merged = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -42,9 +44,7 @@ def merge_into(path: Path, picks: dict) -> dict:
         for digest, keys in by_digest.items():
             merged.setdefault(tuner, {}).setdefault(digest, {}).update(keys)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(merged, indent=0, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, lambda f: f.write((json.dumps(merged, indent=0, sort_keys=True) + "\n").encode()))
     return merged
 
 

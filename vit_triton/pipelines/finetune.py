@@ -319,11 +319,8 @@ class _CapturedStep:
         t = self.trainer
         # autocast's cast weights must not be cached across replays: a step changes them in place
         mixed = t.s["precision"] == "bf16-mixed"
-        with torch.autocast(t.device.type, dtype=torch.bfloat16, enabled=mixed, cache_enabled=False):
-            logits = t.net(t.pre.normalize(self.pixels))
-        loss = F.cross_entropy(logits.float(), self.labels, label_smoothing=t.s["smoothing"], reduction="sum")
-        (loss * self.scale).backward()
-        return loss.detach().double()
+        autocast = torch.autocast(t.device.type, dtype=torch.bfloat16, enabled=mixed, cache_enabled=False)
+        return t.loss_backward(self.pixels, self.labels, self.scale, autocast)
 
     def __call__(self, pixels: torch.Tensor, labels: torch.Tensor, scale: float) -> torch.Tensor:
         self.pixels.copy_(pixels, non_blocking=True)
@@ -743,14 +740,19 @@ class _Trainer:
             if self.captured is None:
                 self.captured = _CapturedStep(self, pixels, labels)
             return self.captured(pixels, labels, scale)
-        pixels = self.pre.normalize(pixels.to(self.device, non_blocking=True))
-        labels = labels.to(self.device, non_blocking=True)
         sync = self.run.world == 1 or ends_step
         with contextlib.nullcontext() if sync else self.net.no_sync():
-            with self.autocast:
-                logits = self.net(pixels)
-            loss = F.cross_entropy(logits.float(), labels, label_smoothing=self.s["smoothing"], reduction="sum")
-            (loss * scale).backward()
+            return self.loss_backward(pixels.to(self.device, non_blocking=True),
+                                      labels.to(self.device, non_blocking=True), scale, self.autocast)
+
+    def loss_backward(self, pixels, labels, scale, autocast) -> torch.Tensor:
+        """The summed cross-entropy of the micro-batch's uint8 pixels and labels (on the device), its backward scaled by
+        `scale` (a float, or a captured step's tensor) under `autocast`; the loss detached, in float64."""
+        pixels = self.pre.normalize(pixels)
+        with autocast:
+            logits = self.net(pixels)
+        loss = F.cross_entropy(logits.float(), labels, label_smoothing=self.s["smoothing"], reduction="sum")
+        (loss * scale).backward()
         return loss.detach().double()
 
     def _step(self, step: int) -> None:
