@@ -45,6 +45,7 @@ from vit_triton.kernels.tf32 import _round_to_tf32_kernel  # noqa: E402
 from vit_triton.kernels.token_mean import _token_mean_backward_kernel, _token_mean_kernel  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
+ONE_PIECE = dict(SPLIT=False, BLOCK_E=16, ALIGN=16)   # attention's head dim in one piece, strides multiples of 16
 FLOAT_ARGS = {"eps", "qk_scale", "scale", "bias_mult"}
 # Integers that are multiples of 16 in every ViT launch (widths, row and head strides; the backward
 # products' P, Q and R, widths but dW's R, the rows, which no load's contiguous dimension is masked by).
@@ -168,21 +169,21 @@ def cases():
             yield linear_case(f"linear{'-tma' * tma}{'-split' * (split_k > 1)}-early", dtype, TINY_M[0], PDL_EARLY,
                               split_k, HAS_BIAS=True, ACT="none", HAS_RESIDUAL=False, HAS_SCALE=False,
                               INPUT_PRECISION="ieee", tma=tma)
-        # SigLIP SO400M's head dim of 72, its head stride a multiple of 8
+        # SigLIP SO400M's head dim of 72 in two pieces (64 + 16), its head stride a multiple of 8
         yield ("fused_attention", _attention_kernel, dtype, streaming_options,
-               dict(HEAD_DIM=72, BLOCK_D=128, ALIGN=8, INPUT_PRECISION="ieee", QKV_TF32=False, O_TF32=False,
-                    bias_ptr=None, HAS_BIAS=False, **streaming), None)
+               dict(HEAD_DIM=72, BLOCK_D=64, SPLIT=True, BLOCK_E=16, ALIGN=8, INPUT_PRECISION="ieee", QKV_TF32=False,
+                    O_TF32=False, bias_ptr=None, HAS_BIAS=False, **streaming), None)
         # One pass over 197 keys, as fused_attention launches it at one ViT-B image; with BEiT's bias in bf16.
         for bias in (False, True) if dtype == "bf16" else (False,):
             yield (f"fused_attention{'-bias' * bias}-one-pass-early", _attention_kernel, dtype,
                    {"num_warps": ONE_PASS.warps, "num_stages": ONE_PASS.stages},
-                   dict(HEAD_DIM=64, BLOCK_D=64, ALIGN=16, INPUT_PRECISION="ieee", QKV_TF32=False, O_TF32=False,
+                   dict(HEAD_DIM=64, BLOCK_D=64, **ONE_PIECE, INPUT_PRECISION="ieee", QKV_TF32=False, O_TF32=False,
                         PDL=PDL_EARLY,
                         **dict(zip(("KEYS0", "KEYS1", "KEYS2"), key_pieces(197))), BLOCK_M=ONE_PASS.block_m,
                         BLOCK_N=ONE_PASS.block_n, HAS_BIAS=bias, **({} if bias else {"bias_ptr": None})), None)
         if dtype == "bf16":
             yield ("fused_attention-bias", _attention_kernel, dtype, streaming_options,
-                   dict(HEAD_DIM=64, BLOCK_D=64, ALIGN=16, INPUT_PRECISION="ieee", QKV_TF32=False, O_TF32=False,
+                   dict(HEAD_DIM=64, BLOCK_D=64, **ONE_PIECE, INPUT_PRECISION="ieee", QKV_TF32=False, O_TF32=False,
                         HAS_BIAS=True, **streaming), None)
         yield ("patch_embed", _patch_embed_kernel, dtype, {}, dict(
             PATCH=16, HAS_BIAS=True, HAS_PREFIX=True, HAS_POS=True, POS_HAS_PREFIX=dtype != "fp16",
@@ -212,7 +213,7 @@ def cases():
     yield ("round_to_tf32", _round_to_tf32_kernel, "tf32", {"num_warps": 8}, dict(BLOCK=4096), None)
     for pre in (False, True):
         yield ("fused_attention", _attention_kernel, "tf32", streaming_options,
-               dict(HEAD_DIM=64, BLOCK_D=64, ALIGN=16, INPUT_PRECISION="tf32", QKV_TF32=pre, O_TF32=pre,
+               dict(HEAD_DIM=64, BLOCK_D=64, **ONE_PIECE, INPUT_PRECISION="tf32", QKV_TF32=pre, O_TF32=pre,
                     bias_ptr=None, HAS_BIAS=False, **streaming), None)
     yield ("layer_norm", _layer_norm_kernel, "tf32", {"num_warps": 4}, dict(HAS_BIAS=True, RMS=False, HAS_ADD=False,
                                                                             NUM_PARTS=2, BLOCK_M=2, BLOCK_D=1024), None)

@@ -128,6 +128,16 @@ def test_alignment_divides_every_batch_and_head_stride(head_dim, strides, align)
     assert alignment(*tensors) == align
 
 
+@pytest.mark.parametrize("head_dim, pieces", [(16, (16, 0)), (20, (32, 0)), (24, (32, 0)), (40, (32, 16)),
+                                               (64, (64, 0)), (72, (64, 16)), (80, (64, 16)), (96, (64, 32)),
+                                               (112, (128, 0)), (160, (128, 32)), (200, (256, 0))])
+def test_head_pieces(head_dim, pieces):
+    # a second piece only where it saves columns over padding the whole head dim to a power of two
+    from vit_triton.kernels.attention import head_pieces
+
+    assert head_pieces(head_dim) == pieces
+
+
 @each_dtype
 @pytest.mark.parametrize("tokens, head_dim", [(37, 80), (197, 64)])
 @pytest.mark.usefixtures("path")

@@ -11,8 +11,10 @@ blocks are neighbours in launch order, so they run together and read that head's
 once, from L2 after, and the last heads launch first (the QKV GEMM wrote them last: still in L2).
 A program streams K and V in BLOCK_N tiles and keeps a running max and sum (online softmax, base 2
 with the scale folded into log2(e)), so the Tq x Tk scores never leave on-chip memory. Only the last keys are
-masked, in blocks of 16, so a sequence of 197 costs 208 keys of work, not 256. Head dims that are not a
-power of two (80, 96) are padded to one in registers by masked loads.
+masked, in blocks of 16, so a sequence of 197 costs 208 keys of work, not 256. A head dim that is not a
+power of two is taken in two pieces that are, each piece its own products (72 and 80: 64 + 16 columns, 96: 64 + 32;
+head_pieces), so that 72 costs 80 columns of work, not 128; one pass and the backward pad it to one power of two
+in registers by masked loads.
 
 One pass (up to 256 keys, launches of at most two waves): a program takes all of its head's keys
 at once, in up to three power-of-two pieces (197: 128 + 64 + 16), and holds every score of its query
@@ -99,14 +101,19 @@ def _head(ptr, b, h, s_b, s_h, ALIGN: tl.constexpr):
 
 
 @triton.jit
-def _scores(q, k_base, start, T, sk_t, offs_d, mask_d, bias_base, offs_m, T_Q, bias_mult,
-            INPUT_PRECISION: tl.constexpr, QKV_TF32: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
-            MASKED: tl.constexpr):
-    """q k^T (+ the bias over the scale, where HAS_BIAS) for keys start .. start + BLOCK, -inf past T if MASKED."""
+def _scores(q, q_e, k_base, start, T, sk_t, offs_d, mask_d, offs_e, mask_e, bias_base, offs_m, T_Q, bias_mult,
+            INPUT_PRECISION: tl.constexpr, QKV_TF32: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+            BLOCK: tl.constexpr, MASKED: tl.constexpr):
+    """q k^T (+ the bias over the scale, where HAS_BIAS) for keys start .. start + BLOCK, -inf past T if MASKED;
+    where SPLIT, over the head dim's two pieces (q at offs_d, q_e at offs_e), two products into one sum."""
     offs_n = start + tl.arange(0, BLOCK)
     k_mask = (offs_n < T)[None, :] & mask_d[:, None] if MASKED else mask_d[:, None]
     k = tl.load(k_base + offs_n[None, :] * sk_t + offs_d[:, None], mask=k_mask, other=0.0)
     s = mma(q, k, tl.zeros((q.shape[0], BLOCK), dtype=tl.float32), INPUT_PRECISION, QKV_TF32, QKV_TF32)
+    if SPLIT:
+        k_mask = (offs_n < T)[None, :] & mask_e[:, None] if MASKED else mask_e[:, None]
+        k = tl.load(k_base + offs_n[None, :] * sk_t + offs_e[:, None], mask=k_mask, other=0.0)
+        s = mma(q_e, k, s, INPUT_PRECISION, QKV_TF32, QKV_TF32)
     s = _bias(s, bias_base, offs_m[:, None], offs_n[None, :], T_Q, T, bias_mult, HAS_BIAS)
     if MASKED:
         s = tl.where((offs_n < T)[None, :], s, float("-inf"))
@@ -114,62 +121,83 @@ def _scores(q, k_base, start, T, sk_t, offs_d, mask_d, bias_base, offs_m, T_Q, b
 
 
 @triton.jit
-def _add_pv(acc, p, v_base, start, T, sv_t, offs_d, mask_d, INPUT_PRECISION: tl.constexpr, QKV_TF32: tl.constexpr,
-            BLOCK: tl.constexpr, MASKED: tl.constexpr):
-    """acc + p v for keys start .. start + BLOCK (V read as zeros past T if MASKED)."""
+def _add_pv(acc, acc_e, p, v_base, start, T, sv_t, offs_d, mask_d, offs_e, mask_e, INPUT_PRECISION: tl.constexpr,
+            QKV_TF32: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr, MASKED: tl.constexpr):
+    """(acc, acc_e) + p v for keys start .. start + BLOCK (V read as zeros past T if MASKED): acc over the head
+    dim's columns offs_d, acc_e over offs_e where SPLIT (else returned as it is)."""
     offs_n = start + tl.arange(0, BLOCK)
     v_mask = (offs_n < T)[:, None] & mask_d[None, :] if MASKED else mask_d[None, :]
     v = tl.load(v_base + offs_n[:, None] * sv_t + offs_d[None, :], mask=v_mask, other=0.0)
-    return mma(cast(p, v.dtype), v, acc, INPUT_PRECISION, False, QKV_TF32)
+    p = cast(p, v.dtype)
+    acc = mma(p, v, acc, INPUT_PRECISION, False, QKV_TF32)
+    if SPLIT:
+        v_mask = (offs_n < T)[:, None] & mask_e[None, :] if MASKED else mask_e[None, :]
+        v = tl.load(v_base + offs_n[:, None] * sv_t + offs_e[None, :], mask=v_mask, other=0.0)
+        acc_e = mma(p, v, acc_e, INPUT_PRECISION, False, QKV_TF32)
+    return acc, acc_e
 
 
 @triton.jit
-def _attend(acc, m_i, l_i, q, k_base, v_base, start, T, sk_t, sv_t, qk_scale, offs_d, mask_d, bias_base, offs_m, T_Q,
-            bias_mult, INPUT_PRECISION: tl.constexpr, QKV_TF32: tl.constexpr, HAS_BIAS: tl.constexpr,
-            BLOCK: tl.constexpr, MASKED: tl.constexpr):
+def _attend(acc, acc_e, m_i, l_i, q, q_e, k_base, v_base, start, T, sk_t, sv_t, qk_scale, offs_d, mask_d, offs_e,
+            mask_e, bias_base, offs_m, T_Q, bias_mult, INPUT_PRECISION: tl.constexpr, QKV_TF32: tl.constexpr,
+            HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr, MASKED: tl.constexpr):
     """One step of the online softmax over keys start .. start + BLOCK (masked past T if MASKED)."""
-    s = _scores(q, k_base, start, T, sk_t, offs_d, mask_d, bias_base, offs_m, T_Q, bias_mult, INPUT_PRECISION,
-                QKV_TF32, HAS_BIAS, BLOCK, MASKED)
+    s = _scores(q, q_e, k_base, start, T, sk_t, offs_d, mask_d, offs_e, mask_e, bias_base, offs_m, T_Q, bias_mult,
+                INPUT_PRECISION, QKV_TF32, HAS_BIAS, SPLIT, BLOCK, MASKED)
     # The scale (> 0) is applied to the row max, and to each score inside the exponent's FMA.
     m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
     p = exp2(s * qk_scale - m_new[:, None])
     alpha = exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = _add_pv(acc * alpha[:, None], p, v_base, start, T, sv_t, offs_d, mask_d, INPUT_PRECISION, QKV_TF32, BLOCK,
-                  MASKED)
-    return acc, m_new, l_i
+    if SPLIT:
+        acc_e = acc_e * alpha[:, None]
+    acc, acc_e = _add_pv(acc * alpha[:, None], acc_e, p, v_base, start, T, sv_t, offs_d, mask_d, offs_e, mask_e,
+                         INPUT_PRECISION, QKV_TF32, SPLIT, BLOCK, MASKED)
+    return acc, acc_e, m_new, l_i
 
 
 @triton.jit
-def _attend_once(q, k_base, v_base, T, sk_t, sv_t, qk_scale, offs_d, mask_d, acc, bias_base, offs_m, T_Q, bias_mult,
-                 INPUT_PRECISION: tl.constexpr, QKV_TF32: tl.constexpr, HAS_BIAS: tl.constexpr,
+def _attend_once(q, q_e, k_base, v_base, T, sk_t, sv_t, qk_scale, offs_d, mask_d, offs_e, mask_e, acc, acc_e,
+                 bias_base, offs_m, T_Q, bias_mult, INPUT_PRECISION: tl.constexpr, QKV_TF32: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                  KEYS0: tl.constexpr, KEYS1: tl.constexpr, KEYS2: tl.constexpr):
-    """The one-pass softmax over all T keys, in pieces KEYS0 >= KEYS1 >= KEYS2 (0: absent; the last
-    present one is masked past T). Returns the unnormalised P V, the row max (scaled, base 2) and the row sums of P."""
-    s0 = _scores(q, k_base, 0, T, sk_t, offs_d, mask_d, bias_base, offs_m, T_Q, bias_mult, INPUT_PRECISION, QKV_TF32,
-                 HAS_BIAS, KEYS0, KEYS1 == 0)
+    """The one-pass softmax over all T keys, in pieces KEYS0 >= KEYS1 >= KEYS2 (0: absent; the last present one
+    is masked past T). Returns the unnormalised P V (its two pieces), the row max (scaled, base 2) and the row sums
+    of P."""
+    s0 = _scores(q, q_e, k_base, 0, T, sk_t, offs_d, mask_d, offs_e, mask_e, bias_base, offs_m, T_Q, bias_mult,
+                 INPUT_PRECISION, QKV_TF32, HAS_BIAS, SPLIT, KEYS0, KEYS1 == 0)
     m = tl.max(s0, axis=1)
     if KEYS1 > 0:
-        s1 = _scores(q, k_base, KEYS0, T, sk_t, offs_d, mask_d, bias_base, offs_m, T_Q, bias_mult, INPUT_PRECISION,
-                     QKV_TF32, HAS_BIAS, KEYS1, KEYS2 == 0)
+        s1 = _scores(q, q_e, k_base, KEYS0, T, sk_t, offs_d, mask_d, offs_e, mask_e, bias_base, offs_m, T_Q,
+                     bias_mult, INPUT_PRECISION, QKV_TF32, HAS_BIAS, SPLIT, KEYS1, KEYS2 == 0)
         m = tl.maximum(m, tl.max(s1, axis=1))
     if KEYS2 > 0:
-        s2 = _scores(q, k_base, KEYS0 + KEYS1, T, sk_t, offs_d, mask_d, bias_base, offs_m, T_Q, bias_mult,
-                     INPUT_PRECISION, QKV_TF32, HAS_BIAS, KEYS2, True)
+        s2 = _scores(q, q_e, k_base, KEYS0 + KEYS1, T, sk_t, offs_d, mask_d, offs_e, mask_e, bias_base, offs_m, T_Q,
+                     bias_mult, INPUT_PRECISION, QKV_TF32, HAS_BIAS, SPLIT, KEYS2, True)
         m = tl.maximum(m, tl.max(s2, axis=1))
     m = m * qk_scale   # the scale (> 0) is applied to the row max, and to each score inside the exponent's FMA
     p = exp2(s0 * qk_scale - m[:, None])
     l_i = tl.sum(p, axis=1)
-    acc = _add_pv(acc, p, v_base, 0, T, sv_t, offs_d, mask_d, INPUT_PRECISION, QKV_TF32, KEYS0, KEYS1 == 0)
+    acc, acc_e = _add_pv(acc, acc_e, p, v_base, 0, T, sv_t, offs_d, mask_d, offs_e, mask_e, INPUT_PRECISION,
+                         QKV_TF32, SPLIT, KEYS0, KEYS1 == 0)
     if KEYS1 > 0:
         p = exp2(s1 * qk_scale - m[:, None])
         l_i += tl.sum(p, axis=1)
-        acc = _add_pv(acc, p, v_base, KEYS0, T, sv_t, offs_d, mask_d, INPUT_PRECISION, QKV_TF32, KEYS1, KEYS2 == 0)
+        acc, acc_e = _add_pv(acc, acc_e, p, v_base, KEYS0, T, sv_t, offs_d, mask_d, offs_e, mask_e, INPUT_PRECISION,
+                             QKV_TF32, SPLIT, KEYS1, KEYS2 == 0)
     if KEYS2 > 0:
         p = exp2(s2 * qk_scale - m[:, None])
         l_i += tl.sum(p, axis=1)
-        acc = _add_pv(acc, p, v_base, KEYS0 + KEYS1, T, sv_t, offs_d, mask_d, INPUT_PRECISION, QKV_TF32, KEYS2, True)
-    return acc, m, l_i
+        acc, acc_e = _add_pv(acc, acc_e, p, v_base, KEYS0 + KEYS1, T, sv_t, offs_d, mask_d, offs_e, mask_e,
+                             INPUT_PRECISION, QKV_TF32, SPLIT, KEYS2, True)
+    return acc, acc_e, m, l_i
+
+
+@triton.jit
+def _store_o(ptrs, o, mask, O_TF32: tl.constexpr):
+    if O_TF32:
+        o = to_tf32(o)
+    tl.store(ptrs, cast(o, ptrs.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -178,6 +206,7 @@ def _attention_kernel(
     T_K, H, T_Q, qk_scale, bias_mult,   # keys, queries; the bias is added to the scores over the scale
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ALIGN: tl.constexpr,   # ALIGN: _head's
+    SPLIT: tl.constexpr, BLOCK_E: tl.constexpr,   # the head dim's columns past BLOCK_D, a second piece (head_pieces)
     INPUT_PRECISION: tl.constexpr, PDL: tl.constexpr,
     QKV_TF32: tl.constexpr, O_TF32: tl.constexpr,   # q, k, v hold tf32 values already; o stored rounded to tf32
     STORE_LSE: tl.constexpr,   # also store each query row's log-sum-exp (training: the backward's softmax)
@@ -197,9 +226,14 @@ def _attention_kernel(
     offs_m = (pid % q_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
+    offs_e = BLOCK_D + tl.arange(0, BLOCK_E)   # not SPLIT: 16 columns past the head dim, never read
+    mask_e = offs_e < HEAD_DIM
 
-    q_ptrs = _head(q_ptr, b, h, sq_b, sq_h, ALIGN) + offs_m[:, None] * sq_t + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=(offs_m < T_Q)[:, None] & mask_d[None, :], other=0.0)
+    q_base = _head(q_ptr, b, h, sq_b, sq_h, ALIGN) + offs_m[:, None] * sq_t
+    q = tl.load(q_base + offs_d[None, :], mask=(offs_m < T_Q)[:, None] & mask_d[None, :], other=0.0)
+    q_e = q
+    if SPLIT:
+        q_e = tl.load(q_base + offs_e[None, :], mask=(offs_m < T_Q)[:, None] & mask_e[None, :], other=0.0)
     k_base = _head(k_ptr, b, h, sk_b, sk_h, ALIGN)
     v_base = _head(v_ptr, b, h, sv_b, sv_h, ALIGN)
     bias_base = bias_ptr + h * T_Q * T_K if HAS_BIAS else bias_ptr
@@ -207,28 +241,29 @@ def _attention_kernel(
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    acc_e = tl.zeros((BLOCK_M, BLOCK_E), dtype=tl.float32)
     if KEYS0 > 0:
-        acc, m_i, l_i = _attend_once(q, k_base, v_base, T_K, sk_t, sv_t, qk_scale, offs_d, mask_d, acc, bias_base,
-                                     offs_m, T_Q, bias_mult, INPUT_PRECISION, QKV_TF32, HAS_BIAS, KEYS0, KEYS1, KEYS2)
+        acc, acc_e, m_i, l_i = _attend_once(q, q_e, k_base, v_base, T_K, sk_t, sv_t, qk_scale, offs_d, mask_d, offs_e,
+                                            mask_e, acc, acc_e, bias_base, offs_m, T_Q, bias_mult, INPUT_PRECISION,
+                                            QKV_TF32, HAS_BIAS, SPLIT, KEYS0, KEYS1, KEYS2)
     else:
         # Whole key blocks without masks, then the last T_K % BLOCK_N keys in blocks of TAIL_N: at 197
         # tokens, 3 x 64 + 16 keys are multiplied instead of 4 x 64.
         whole = T_K - T_K % BLOCK_N
         for start in range(0, whole, BLOCK_N):
-            acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_base, v_base, start, T_K, sk_t, sv_t, qk_scale, offs_d,
-                                    mask_d, bias_base, offs_m, T_Q, bias_mult, INPUT_PRECISION, QKV_TF32, HAS_BIAS,
-                                    BLOCK_N, False)
+            acc, acc_e, m_i, l_i = _attend(acc, acc_e, m_i, l_i, q, q_e, k_base, v_base, start, T_K, sk_t, sv_t,
+                                           qk_scale, offs_d, mask_d, offs_e, mask_e, bias_base, offs_m, T_Q,
+                                           bias_mult, INPUT_PRECISION, QKV_TF32, HAS_BIAS, SPLIT, BLOCK_N, False)
         for start in range(whole, T_K, TAIL_N):
-            acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_base, v_base, start, T_K, sk_t, sv_t, qk_scale, offs_d,
-                                    mask_d, bias_base, offs_m, T_Q, bias_mult, INPUT_PRECISION, QKV_TF32, HAS_BIAS,
-                                    TAIL_N, True)
+            acc, acc_e, m_i, l_i = _attend(acc, acc_e, m_i, l_i, q, q_e, k_base, v_base, start, T_K, sk_t, sv_t,
+                                           qk_scale, offs_d, mask_d, offs_e, mask_e, bias_base, offs_m, T_Q,
+                                           bias_mult, INPUT_PRECISION, QKV_TF32, HAS_BIAS, SPLIT, TAIL_N, True)
 
     start_next_kernel(PDL)
-    o = acc / l_i[:, None]
-    if O_TF32:
-        o = to_tf32(o)
-    o_ptrs = _head(o_ptr, b, h, so_b, so_h, ALIGN) + offs_m[:, None] * so_t + offs_d[None, :]
-    tl.store(o_ptrs, cast(o, o_ptr.dtype.element_ty), mask=(offs_m < T_Q)[:, None] & mask_d[None, :])
+    o_base = _head(o_ptr, b, h, so_b, so_h, ALIGN) + offs_m[:, None] * so_t
+    _store_o(o_base + offs_d[None, :], acc / l_i[:, None], (offs_m < T_Q)[:, None] & mask_d[None, :], O_TF32)
+    if SPLIT:
+        _store_o(o_base + offs_e[None, :], acc_e / l_i[:, None], (offs_m < T_Q)[:, None] & mask_e[None, :], O_TF32)
     if STORE_LSE:
         # m_i is the row max of the scaled scores in base-2 units: log2(sum) = m_i + log2(l_i).
         tl.store(lse_ptr + (b * H + h) * T_Q + offs_m, m_i + tl.log2(l_i), mask=offs_m < T_Q)
@@ -266,12 +301,15 @@ def fused_attention(
     scale = check_scale(scale, Dh)
     precision = input_precision(q.dtype, allow_tf32)
 
-    flags = dict(HEAD_DIM=Dh, BLOCK_D=block_d(Dh), ALIGN=alignment(q, k, v, out), INPUT_PRECISION=precision,
+    flags = dict(HEAD_DIM=Dh, ALIGN=alignment(q, k, v, out), INPUT_PRECISION=precision,
                  QKV_TF32=precision == "tf32" and tf32_input, O_TF32=precision == "tf32" and tf32_output,
                  STORE_LSE=lse is not None, HAS_BIAS=bias is not None,
                  **pdl(q.device, B * H * cdiv(Tq, SMALLEST_BLOCK_M)))
 
     def launch(config: Config, keys: tuple[int, int, int] = (0, 0, 0)) -> None:
+        # The head dim in two pieces where keys are streamed; one pass pads it to a power of two (split there, it
+        # gave wrong results on sm90 under Triton 3.6 that the interpreter does not show).
+        first, second = head_pieces(Dh) if keys[0] == 0 else (block_d(Dh), 0)
         # One axis of programs, which allows 2^31 - 1 (axis 1 allows 65535).
         _attention_kernel[(B * H * cdiv(Tq, config.block_m),)](
             q, k, v, out, lse, bias,
@@ -280,7 +318,8 @@ def fused_attention(
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
             out.stride(0), out.stride(1), out.stride(2),
-            **flags, **dict(zip(("KEYS0", "KEYS1", "KEYS2"), keys)), BLOCK_M=config.block_m,
+            **flags, BLOCK_D=first, SPLIT=second > 0, BLOCK_E=second or 16,
+            **dict(zip(("KEYS0", "KEYS1", "KEYS2"), keys)), BLOCK_M=config.block_m,
             BLOCK_N=config.block_n, num_warps=config.warps, num_stages=config.stages,
         )
 
@@ -624,6 +663,19 @@ def alignment(*tensors: torch.Tensor) -> int:
     (in elements; a stride of 0 divides by anything): the kernels' ALIGN."""
     strides = [t.stride(i) for t in tensors for i in (0, 2)]
     return next(a for a in (16, 8, 4, 2, 1) if all(s % a == 0 for s in strides))
+
+
+def head_pieces(head_dim: int) -> tuple[int, int]:
+    """The forward's head dim as (BLOCK_D, BLOCK_E): a power of two and, where the rest would otherwise pad the
+    whole to the next power of two, a second one of at least 16 (a tensor-core product's least K), 0 for none:
+    72 and 80 -> (64, 16), 96 -> (64, 32), 64 -> (64, 0), 20 -> (32, 0). The products pay for 80 columns of 72,
+    not 128."""
+    first = max(16, 1 << (head_dim.bit_length() - 1))
+    rest = head_dim - first
+    second = max(16, next_power_of_2(rest)) if rest > 0 else 0
+    if second and first + second >= block_d(head_dim):
+        return block_d(head_dim), 0
+    return first, second
 
 
 def block_d(head_dim: int) -> int:
