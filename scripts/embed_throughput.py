@@ -1,5 +1,5 @@
 """Throughput of `vit-triton embed` on a GPU: JPEGs decoded on the CPU (Pillow in DataLoader workers) and on the
-GPU (nvJPEG and the resize kernel), against the model alone, with where the time goes.
+GPU (the GPU's JPEG decoder and the resize kernel), against the model alone, with where the time goes.
 
 Generates --num-images JPEG paths of mixed sizes, 400x300 to 1600x1200 (--distinct generated photos, linked
 under several names; or all of --image-size), saves a timm checkpoint with random weights (--architecture,
@@ -8,13 +8,13 @@ ViT-B/16 by default) in timm's layout, and embeds the folder with the package's 
 and --decode gpu on the first quarter, for the steady rate past a run's start (the time the other three quarters
 added).
 Also times the ceilings: the model alone on ready uint8 batches (eager, and replayed from a CUDA graph as embed
-replays full batches), Pillow's decoding and resizing in one process, and nvJPEG with the resize kernel on bytes
-already in memory; and compares the two decoders: the largest pixel difference over a batch, and the cosine
-similarity of the embeddings both runs wrote. And shows where the --decode gpu run's time goes (--overlap-images,
-overlap_probes): nvJPEG alone and beside a running forward, the decoding threads with the forward on batches in
-memory, and embed without the forward and as it is. Last, README's command itself over all the paths, in a
-process of its own, timed from outside: first with empty caches, as on a new machine, then warm
-(command_wall_clock).
+replays full batches), Pillow's decoding and resizing in one process, and each GPU decoder (nvImageCodec,
+torchvision's nvJPEG) with the resize kernel on bytes already in memory; and compares the GPU's pixels with the
+CPU's: the largest pixel difference over a batch, and the cosine similarity of the embeddings both runs wrote.
+And shows where the --decode gpu run's time goes (--overlap-images, overlap_probes): the GPU's decoder alone and
+beside a running forward, the decoding threads with the forward on batches in memory, and embed without the
+forward and as it is. Last, README's command itself over all the paths, in a process of its own, timed from
+outside: first with empty caches, as on a new machine, then warm (command_wall_clock).
 
     python scripts/embed_throughput.py [--num-images 20000] [--distinct 4000] [--cpu-images 5000]
                                        [--architecture vit_base_patch16_224] [--batch-size 256] [--workers N]
@@ -179,25 +179,40 @@ def decode_ceiling(checkpoint: Path, paths: list[str], count: int = 200) -> floa
     return len(dataset) / seconds
 
 
-def gpu_decode_ceilings(checkpoint: Path, paths: list[str], batch_size: int) -> dict:
-    """Images/s of nvJPEG alone, of nvJPEG and the chroma upsampling, of the resize kernel alone (on images decoded
-    so), and of the three in turn, on a batch of JPEG bytes already in memory; and the batch's mean megapixels."""
-    from vit_triton.data.decode import decode_jpegs, nvjpeg_decode
+def gpu_decoders() -> list:
+    """The GPU's JPEG decoders that load here: nvImageCodec and torchvision's nvJPEG."""
+    from vit_triton.data.decode import NvImageCodecJpeg, TorchvisionJpeg
 
+    decoders = []
+    for make in (NvImageCodecJpeg, TorchvisionJpeg):
+        try:
+            decoders.append(make(torch.device("cuda")))
+        except Exception as e:  # noqa: BLE001 -- reported, and the other one measured
+            print(f"{make.name} does not load: {e}", flush=True)
+    return decoders
+
+
+def gpu_decode_ceilings(checkpoint: Path, paths: list[str], batch_size: int) -> dict:
+    """For each GPU decoder, images/s of its decode() alone, with its finish() (nvJPEG's chroma upsampling), and
+    with the resize kernel after both, on a batch of JPEG bytes already in memory; the resize kernel's alone (on
+    images decoded so), and the batch's mean megapixels."""
     pre = _preprocess(checkpoint)
     encoded, blocks = _encoded(paths[:batch_size])
-    cuda = torch.device("cuda")
-    decoded = decode_jpegs(encoded, cuda, blocks)
-    return {"megapixels_mean": sum(d.shape[1] * d.shape[2] for d in decoded) / len(decoded) / 1e6,
-            "nvjpeg_images_per_s": _images_per_s(lambda: nvjpeg_decode(encoded, cuda), iters=10),
-            "nvjpeg_and_chroma_images_per_s": _images_per_s(lambda: decode_jpegs(encoded, cuda, blocks), iters=10),
-            "resize_images_per_s": _images_per_s(lambda: pre.resize_crop_batch(decoded), iters=10),
-            "nvjpeg_and_resize_images_per_s": _images_per_s(
-                lambda: pre.resize_crop_batch(decode_jpegs(encoded, cuda, blocks)), iters=10)}
+    out = {}
+    for decoder in gpu_decoders():
+        decoded = decoder.pixels(encoded, blocks)
+        out["megapixels_mean"] = sum(d.shape[1] * d.shape[2] for d in decoded) / len(decoded) / 1e6
+        out["resize_images_per_s"] = _images_per_s(lambda: pre.resize_crop_batch(decoded), iters=10)
+        out[decoder.name] = {
+            "decode_images_per_s": _images_per_s(lambda: decoder.decode(encoded), iters=10),
+            "decode_and_finish_images_per_s": _images_per_s(lambda: decoder.pixels(encoded, blocks), iters=10),
+            "decode_finish_and_resize_images_per_s": _images_per_s(
+                lambda: pre.resize_crop_batch(decoder.pixels(encoded, blocks)), iters=10)}
+    return out
 
 
 def _encoded(paths: list[str]) -> tuple[list[torch.Tensor], list[tuple[int, int]]]:
-    """The JPEGs' bytes as decode_jpegs takes them, and their chroma blocks."""
+    """The JPEGs' bytes as the decoders take them, and their chroma blocks."""
     from vit_triton.data.decode import nvjpeg_block
 
     data = [Path(p).read_bytes() for p in paths]
@@ -205,19 +220,22 @@ def _encoded(paths: list[str]) -> tuple[list[torch.Tensor], list[tuple[int, int]
 
 
 def pixel_differences(checkpoint: Path, paths: list[str], batch_size: int) -> dict:
-    """The GPU path's uint8 pixels against the CPU path's over a batch: largest difference, and the share of
-    values that differ at all and by more than one level."""
-    from vit_triton.data.decode import decode_jpegs
+    """Each GPU decoder's uint8 pixels, resized, against the CPU path's over a batch: largest difference, and the
+    share of values that differ at all and by more than one level."""
     from vit_triton.data.files import ImageFiles
 
     pre = _preprocess(checkpoint)
     files = ImageFiles(paths[:batch_size], pre)
     cpu = torch.stack([files[i][1] for i in range(len(files))]).cuda()
     encoded, blocks = _encoded(paths[:batch_size])
-    gpu = pre.resize_crop_batch(decode_jpegs(encoded, torch.device("cuda"), blocks))
-    diff = (gpu.int() - cpu.int()).abs()
-    return {"images": len(files), "max_abs_levels": int(diff.max()), "mean_abs_levels": float(diff.float().mean()),
-            "share_differing": float((diff > 0).float().mean()), "share_over_1": float((diff > 1).float().mean())}
+    out = {}
+    for decoder in gpu_decoders():
+        diff = (pre.resize_crop_batch(decoder.pixels(encoded, blocks)).int() - cpu.int()).abs()
+        out[decoder.name] = {"images": len(files), "max_abs_levels": int(diff.max()),
+                             "mean_abs_levels": float(diff.float().mean()),
+                             "share_differing": float((diff > 0).float().mean()),
+                             "share_over_1": float((diff > 1).float().mean())}
+    return out
 
 
 def run_embed(checkpoint: Path, input_spec: str, output: Path, batch_size: int, workers: int,
@@ -266,16 +284,17 @@ def command_wall_clock(checkpoint: Path, input_spec: str, output: Path, images: 
 
 
 def overlap_probes(checkpoint: Path, listed: Path, root: Path, batch_size: int, workers: int) -> dict:
-    """Where a --decode gpu run's time goes, from nvJPEG alone up to the whole pipeline. On JPEG batches of the
-    files in `listed` already in memory: nvJPEG alone; nvJPEG while another thread replays the graphed forward
-    without pause (and the forward's rate meanwhile), which falls several times short of alone where nvJPEG's
-    streams share the forward's hardware queue (CUDA_DEVICE_MAX_CONNECTIONS); and the package's two decoding
+    """Where a --decode gpu run's time goes, from the GPU's decoder (the one embed picks) alone up to the whole
+    pipeline. On JPEG batches of the files in `listed` already in memory: the decoder alone; the decoder while
+    another thread replays the graphed forward without pause (and the forward's rate meanwhile), which falls several
+    times short of alone where its streams share the forward's hardware queue (CUDA_DEVICE_MAX_CONNECTIONS); and the package's two decoding
     threads (device_batches) with the forward after each batch, as embed runs them without the DataLoader and the
     writer. Then embed over the files: with the DataLoader and no forward (the stand-in writes zeros), and as it
     is, each with CPU busy and GPU busy. Images/s throughout."""
     import importlib
 
     from vit_triton import Preprocess, from_pretrained
+    from vit_triton.data.decode import jpeg_decoder
     from vit_triton.data.files import device_batches, image_item, make_batch
     from vit_triton.runtime import CUDAGraphRunner
 
@@ -291,10 +310,11 @@ def overlap_probes(checkpoint: Path, listed: Path, root: Path, batch_size: int, 
         items = [(path, *image_item(Path(path).read_bytes(), pre, True)) for path in files[first:first + batch_size]]
         batches.append(make_batch(0, items, False, pre))
     images = sum(len(b.names) for b in batches)
+    decoder, _ = jpeg_decoder(cuda)
     out = {"cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8 (CUDA's default)"),
-           "batches_in_memory": len(batches)}
+           "batches_in_memory": len(batches), "decoder": decoder.name}
     with torch.inference_mode():
-        for _, ready in device_batches(iter(batches[:1]), pre, cuda, True):
+        for _, ready in device_batches(iter(batches[:1]), pre, cuda, decoder):
             pixels = ready.clone()   # a full batch of real pixels for the forward to replay on
         graphed(pixels)
         torch.cuda.synchronize()
@@ -306,29 +326,29 @@ def overlap_probes(checkpoint: Path, listed: Path, root: Path, batch_size: int, 
                 torch.cuda.current_stream().synchronize()
                 replays[0] += 1
 
-    for name, beside in (("nvjpeg_alone", False), ("nvjpeg_beside_the_forward", True)):
+    for name, beside in (("decode_alone", False), ("decode_beside_the_forward", True)):
         stop, replays = threading.Event(), [0]
         thread = threading.Thread(target=replay, args=(stop, replays)) if beside else None
         if thread:
             thread.start()
-            time.sleep(0.2)   # the forward running before nvJPEG starts
+            time.sleep(0.2)   # the forward running before decoding starts
         with torch.inference_mode():
-            before, start = replays[0], time.perf_counter()   # not the replays of the 0.2 s before nvJPEG starts
+            before, start = replays[0], time.perf_counter()   # not the replays of the 0.2 s before decoding starts
             for batch in batches * 2:
-                batch.nvjpeg(cuda)
+                batch.decode_jpegs(decoder)
             seconds = time.perf_counter() - start
         done = replays[0] - before
         stop.set()
         if thread:
             thread.join()
-        out[name] = {"nvjpeg_images_per_s": 2 * images / seconds, "forward_images_per_s": done * len(pixels) / seconds}
+        out[name] = {"decode_images_per_s": 2 * images / seconds, "forward_images_per_s": done * len(pixels) / seconds}
 
     with torch.inference_mode():
         start, last = time.perf_counter(), None
-        for _, batch_pixels in device_batches(iter(batches * 3), pre, cuda, True):
+        for _, batch_pixels in device_batches(iter(batches * 3), pre, cuda, decoder):
             if len(batch_pixels) == len(pixels):
                 graphed(batch_pixels)
-            else:   # an image nvJPEG and Pillow both failed on
+            else:   # an image the GPU's decoder and Pillow both failed on
                 compute(batch_pixels)
             event = torch.cuda.Event()
             event.record()

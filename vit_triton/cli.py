@@ -180,10 +180,11 @@ several GPUs: torchrun --nproc-per-node N -m vit_triton embed INPUT --model M --
     embed.add_argument("--overwrite", action="store_true",
                        help="delete OUT and any unfinished run into it, and start over")
     embed.add_argument("--decode", choices=["cpu", "gpu"], default=None,
-                       help="where images are decoded and resized: gpu (baseline JPEGs by nvJPEG, their chroma "
-                            "upsampled as libjpeg-turbo does, and the resize kernel, beside the forward; other files "
-                            "still on the CPU, counted; needs torchvision; the default where it can run) or cpu "
-                            "(Pillow in the workers; the default elsewhere)")
+                       help="where images are decoded and resized: gpu (baseline colour JPEGs by nvImageCodec, "
+                            "the GPU's hardware JPEG decoders where it has them, else by torchvision's nvJPEG, then "
+                            "the resize kernel, beside the forward; other files still on the CPU, counted; the "
+                            "default where it can run; the log names the decoder) or cpu (Pillow in the workers; the "
+                            "default elsewhere)")
     embed.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                        help="progress bar with images/s on stderr (default: when stderr is a terminal)")
     _add_runtime_options(embed, "images per forward pass, per GPU (default 256 on a GPU, 4 in the interpreter)")

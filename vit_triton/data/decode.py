@@ -1,5 +1,6 @@
 """Reading an image file into a PIL image, or a reason why it cannot be read; and, for embed --decode gpu,
-which JPEGs nvJPEG may decode instead, their decoding in batches on a CUDA device, and the CUDA setting it needs.
+which JPEGs the GPU may decode instead, the decoders that do it in batches on a CUDA device (nvImageCodec, else
+torchvision's nvJPEG), and the CUDA setting they need.
 
 Decoding is the only place where a file's content can fail us, so it is the only place where errors
 are caught and turned into a reason (UnreadableImage): a run over a million files skips the bad ones
@@ -9,9 +10,12 @@ applied (as transformers' load_image does), so that a phone's photo is seen upri
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import os
+import sys
+import tempfile
 
 import numpy as np
 import torch
@@ -108,34 +112,165 @@ def widen_hardware_queues() -> bool:
         return False
 
 
-def nvjpeg_available(device: torch.device) -> str | None:
-    """None where torchvision decodes JPEGs with nvJPEG on `device` into libjpeg-turbo's pixels (a small 4:2:0 one
-    is tried there), else why not."""
+class JpegDecoder:
+    """Decodes on a CUDA device the JPEGs nvjpeg_block admits into libjpeg-turbo's pixels (within `max_difference`
+    levels), in two steps, which embed runs on two threads: decode(), which holds its thread until the batch is
+    decoded, and finish(), the kernels after it. `name` says which decoder in the log."""
+
+    name = ""
+    max_difference = 0
+
+    def __init__(self, device: torch.device) -> None:
+        if device.type == "cuda" and device.index is None:   # the decoding threads take it as their current one
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+
+    def decode(self, encoded: list[torch.Tensor]) -> list[torch.Tensor | str]:
+        """JPEGs (uint8 [n] CPU tensors of their bytes): uint8 RGB [3, H, W] each on the device, ready for the
+        current stream, or why not, for one the decoder failed on."""
+        raise NotImplementedError
+
+    def finish(self, decoded: list[torch.Tensor | str], blocks: list[tuple[int, int]]) -> list[torch.Tensor | str]:
+        """decode()'s images (their chroma blocks from nvjpeg_block) as libjpeg-turbo's, on the current stream."""
+        return decoded
+
+    def pixels(self, encoded: list[torch.Tensor], blocks: list[tuple[int, int]]) -> list[torch.Tensor | str]:
+        """finish() of decode(), in one call."""
+        return self.finish(self.decode(encoded), blocks)
+
+
+class TorchvisionJpeg(JpegDecoder):
+    """torchvision's nvJPEG (nvjpeg_decode), each chroma sample repeated over its block, then upsample_chroma."""
+
+    name = "torchvision's nvJPEG"
+
+    def decode(self, encoded: list[torch.Tensor]) -> list[torch.Tensor | str]:
+        return nvjpeg_decode(encoded, self.device)
+
+    def finish(self, decoded: list[torch.Tensor | str], blocks: list[tuple[int, int]]) -> list[torch.Tensor | str]:
+        return upsample_chroma(decoded, blocks)
+
+
+class NvImageCodecJpeg(JpegDecoder):
+    """NVIDIA's nvImageCodec: the GPU's hardware JPEG engines where it has them, its CUDA decoder for what they
+    cannot take, chroma upsampled as libjpeg-turbo does (fancy upsampling), planar RGB out; its inverse DCT
+    may round a level otherwise than libjpeg-turbo's. The images are nvImageCodec's allocations, handed over as
+    tensors through DLPack on the current stream."""
+
+    name = "nvImageCodec"
+    max_difference = 1
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        from nvidia import nvimgcodec
+
+        self._codestream = nvimgcodec.CodeStream
+        backends = [nvimgcodec.Backend(kind) for kind in (nvimgcodec.BackendKind.HW_GPU_ONLY,
+                                                          nvimgcodec.BackendKind.GPU_ONLY)]
+        self._decoder = nvimgcodec.Decoder(device_id=self.device.index, backends=backends, options=":fancy_upsampling=1")
+        self._params = nvimgcodec.DecodeParams(apply_exif_orientation=False, color_spec=nvimgcodec.ColorSpec.SRGB,
+                                               allow_any_depth=False, sample_format=nvimgcodec.SampleFormat.P_RGB)
+
+    def decode(self, encoded: list[torch.Tensor]) -> list[torch.Tensor | str]:
+        stream = torch.cuda.current_stream(self.device)
+        sources = [self._codestream(data.numpy()) for data in encoded]
+        images = self._decoder.decode(sources, params=self._params, cuda_stream=stream.cuda_stream)
+        return ["nvImageCodec could not decode it" if image is None else torch.from_dlpack(image)
+                for image in images]
+
+
+def nvimgcodec_cuda() -> int | None:
+    """The CUDA major version of the installed nvImageCodec wheel (nvidia-nvimgcodec-cu12 or -cu13), None
+    without one."""
+    from importlib import metadata
+
+    for major in (13, 12):
+        try:
+            metadata.version(f"nvidia-nvimgcodec-cu{major}")
+        except metadata.PackageNotFoundError:
+            continue
+        return major
+    return None
+
+
+def jpeg_decoder(device: torch.device) -> tuple[JpegDecoder | None, list[str]]:
+    """The JPEG decoder for `device` and why each one before it was passed over: nvImageCodec (embed's extra
+    installs it for CUDA 13; torch built for CUDA 12 takes nvidia-nvimgcodec-cu12[nvjpeg]), else torchvision's
+    nvJPEG; None where neither loads or gives libjpeg-turbo's pixels to within its max_difference on a probe
+    (a small 4:2:0 JPEG)."""
     if device.type != "cuda":
-        return f"nvJPEG decodes on a CUDA device, and this run is on {device}"
+        return None, [f"the GPU's JPEG decoders need a CUDA device, and this run is on {device}"]
+    why = []
+    for make in (_nvimgcodec, _torchvision):
+        decoder, reason = make(device)
+        reason = reason or _probe(decoder)
+        if reason is None:
+            return decoder, why
+        why.append(reason)
+    return None, why
+
+
+def _nvimgcodec(device: torch.device) -> tuple[JpegDecoder | None, str | None]:
+    cuda, built = nvimgcodec_cuda(), int((torch.version.cuda or "0").split(".")[0])
+    if cuda is None:
+        return None, "nvImageCodec is not installed (pip install 'vit-triton[embed]')"
+    if cuda != built:
+        return None, (f"nvImageCodec is built for CUDA {cuda} and torch for CUDA {built} "
+                      f"(pip install 'nvidia-nvimgcodec-cu{built}[nvjpeg]')")
+    # Its import prints a line for each codec library it lacks (JPEG 2000, TIFF: not embed's), which is kept to
+    # name in the reason if it fails.
+    with _output_captured() as printed:
+        try:
+            return NvImageCodecJpeg(device), None
+        except Exception as e:  # noqa: BLE001 -- its import or decoder fails with RuntimeError, ImportError, OSError
+            error, said = e, [line.strip() for line in printed().splitlines() if "nvjpeg " in line.lower()]
+    return None, f"nvImageCodec does not load on {device}: {error}" + "".join(f" ({line})" for line in said)
+
+
+@contextlib.contextmanager
+def _output_captured():
+    """Within it, this process's stdout and stderr (file descriptors 1 and 2, where C libraries print) go to a
+    temporary file, whose text the yielded function returns."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with tempfile.TemporaryFile() as file:
+        os.dup2(file.fileno(), 1)
+        os.dup2(file.fileno(), 2)
+        try:
+            yield lambda: (file.seek(0), file.read().decode(errors="replace"))[1]
+        finally:
+            for fd, copy in zip((1, 2), saved):
+                os.dup2(copy, fd)
+                os.close(copy)
+
+
+def _torchvision(device: torch.device) -> tuple[JpegDecoder | None, str | None]:
     try:
         import torchvision.io  # noqa: F401 -- only whether it is there
     except ImportError:
-        return "torchvision is not installed (pip install 'vit-triton[embed]')"
+        return None, "torchvision is not installed (pip install 'vit-triton[embed]')"
+    return TorchvisionJpeg(device), None
+
+
+def _probe(decoder: JpegDecoder) -> str | None:
+    """None where `decoder` gives a small 4:2:0 JPEG's libjpeg-turbo pixels to within its max_difference."""
     y, x = np.mgrid[0:37, 0:46]
     probe = io.BytesIO()
     Image.fromarray(np.stack([128 + 40 * np.sin(x / 5 + c) * np.cos(y / 7) for c in range(3)], -1).astype(np.uint8)
                     ).save(probe, "JPEG", quality=90, subsampling=2)
     try:
-        [image] = decode_jpegs([torch.frombuffer(bytearray(probe.getvalue()), dtype=torch.uint8)], device, [(2, 2)])
-    except RuntimeError as e:  # a torchvision built without nvJPEG, or a device it cannot use
-        return f"torchvision cannot decode JPEGs on {device}: {e}"
+        [image] = decoder.pixels([torch.frombuffer(bytearray(probe.getvalue()), dtype=torch.uint8)], [(2, 2)])
+    except RuntimeError as e:  # a torchvision built without nvJPEG, a device it cannot use
+        return f"{decoder.name} cannot decode JPEGs on {decoder.device}: {e}"
     want = torch.from_numpy(np.array(decode_image(probe.getvalue()))).permute(2, 0, 1)
-    if not isinstance(image, torch.Tensor) or not torch.equal(image.cpu(), want):
-        return f"nvJPEG's pixels on {device} are not libjpeg-turbo's once its chroma is upsampled as libjpeg-turbo does"
+    if not isinstance(image, torch.Tensor) or image.shape != want.shape:
+        return f"{decoder.name} did not decode a probe JPEG on {decoder.device}: {image if isinstance(image, str) else tuple(image.shape)}"
+    difference = (image.cpu().int() - want.int()).abs().max().item()
+    if difference > decoder.max_difference:
+        return (f"{decoder.name}'s pixels on {decoder.device} are up to {difference} levels from libjpeg-turbo's "
+                f"(at most {decoder.max_difference} expected)")
     return None
-
-
-def decode_jpegs(encoded: list[torch.Tensor], device: torch.device,
-                 blocks: list[tuple[int, int]]) -> list[torch.Tensor | str]:
-    """JPEGs (uint8 [n] CPU tensors of their bytes, with their chroma blocks from nvjpeg_block) decoded into
-    libjpeg-turbo's pixels on `device`: upsample_chroma of nvjpeg_decode, in one call."""
-    return upsample_chroma(nvjpeg_decode(encoded, device), blocks)
 
 
 def nvjpeg_decode(encoded: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | str]:

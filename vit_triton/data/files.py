@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
-from .decode import UnreadableImage, decode_image, nvjpeg_block, nvjpeg_decode, upsample_chroma
+from .decode import JpegDecoder, UnreadableImage, decode_image, nvjpeg_block
 from .preprocess import Preprocess
 from .sources import read_bytes, tar_images
 
@@ -30,7 +30,7 @@ _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 class Batch:
     """One batch of images: each one's name (a path, or SHARD#MEMBER) and None or the reason it cannot be read,
     in order; uint8 pixels [n, C, H, W] of the readable ones decoded on the CPU, in order; and, with GPU decoding,
-    the bytes of the JPEGs left to nvJPEG (`jpeg` holds them end to end, `jpeg_ends` where each one ends,
+    the bytes of the JPEGs left to the GPU (`jpeg` holds them end to end, `jpeg_ends` where each one ends,
     `jpeg_blocks` their chroma blocks; `gpu` says which items they are). For embed, all of them are of one chunk
     (its unit of work, which batches never span), and `last` says the batch ends it."""
 
@@ -53,43 +53,45 @@ class Batch:
         return [(name, reason) for name, reason in zip(self.names, self.reasons) if reason is not None]
 
     def pin_memory(self) -> Batch:  # called by DataLoader(pin_memory=True) in its pinning thread
-        self.pixels = self.pixels.pin_memory()  # not the JPEG bytes: nvJPEG stages them through its own buffers
+        self.pixels = self.pixels.pin_memory()  # not the JPEG bytes: the decoder stages them through its own buffers
         return self
 
     @property
     def jpeg_spans(self) -> list[tuple[int, int]]:
-        """Where each JPEG left to nvJPEG lies in `jpeg`: (start, end)."""
+        """Where each JPEG left to the GPU lies in `jpeg`: (start, end)."""
         return list(zip([0] + self.jpeg_ends[:-1], self.jpeg_ends))
 
-    def nvjpeg(self, device: torch.device) -> list[torch.Tensor | str]:
-        """nvjpeg_decode of the JPEGs left to nvJPEG, in order: for each, its uint8 RGB [3, H, W] on `device`, its
-        chroma not yet upsampled, or the error nvJPEG gave."""
+    def decode_jpegs(self, decoder: JpegDecoder) -> list[torch.Tensor | str]:
+        """decoder.decode of the JPEGs left to the GPU, in order: for each, its uint8 RGB [3, H, W] on the
+        decoder's device (before decoder.finish), or the error the decoder gave."""
         if not self.jpeg_ends:
             return []
-        return nvjpeg_decode([self.jpeg[a:b] for a, b in self.jpeg_spans], device)
+        return decoder.decode([self.jpeg[a:b] for a, b in self.jpeg_spans])
 
-    def device_pixels(self, preprocess: Preprocess, device: torch.device, decoded: list[torch.Tensor | str],
+    def device_pixels(self, preprocess: Preprocess, decoder: JpegDecoder, decoded: list[torch.Tensor | str],
                       consumer: torch.cuda.Stream | None = None) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """uint8 pixels [n, C, H, W] on `device` of the readable images, in order: those decoded on the CPU copied
-        there, the JPEGs nvJPEG decoded (`decoded`, from nvjpeg()) with their chroma upsampled, resized and cropped
-        by preprocess.resize_crop_batch. A JPEG nvJPEG failed on is decoded on the CPU instead, or, if it is no image
-        there either, becomes unreadable (its reason set here). On a CUDA device the work runs on a stream of its
-        own (_decode_stream): the pixels may be read on `consumer` (default: the current stream) once it waits for
-        the event returned with them; elsewhere the event is None."""
+        """uint8 pixels [n, C, H, W] on the decoder's device of the readable images, in order: those decoded on the
+        CPU copied there, the JPEGs the decoder decoded (`decoded`, from decode_jpegs()) finished by it, resized
+        and cropped by preprocess.resize_crop_batch. A JPEG the decoder failed on is decoded on the CPU instead, or,
+        if it is no image there either, becomes unreadable (its reason set here). On a CUDA device the work runs on
+        a stream of its own (_decode_stream): the pixels may be read on `consumer` (default: the current stream)
+        once it waits for the event returned with them; elsewhere the event is None."""
+        device = decoder.device
         if device.type != "cuda":
-            return self._device_pixels(preprocess, device, decoded), None
+            return self._device_pixels(preprocess, decoder, decoded), None
         stream = _decode_stream(device)
         with torch.cuda.stream(stream):
-            pixels = self._device_pixels(preprocess, device, decoded)
+            pixels = self._device_pixels(preprocess, decoder, decoded)
         pixels.record_stream(consumer or torch.cuda.current_stream(device))
         return pixels, stream.record_event()
 
-    def _device_pixels(self, preprocess: Preprocess, device: torch.device,
+    def _device_pixels(self, preprocess: Preprocess, decoder: JpegDecoder,
                        decoded: list[torch.Tensor | str]) -> torch.Tensor:
+        device = decoder.device
         cpu = self.pixels.to(device, non_blocking=True)
         if not any(self.gpu):
             return cpu
-        decoded, spans = iter(upsample_chroma(decoded, self.jpeg_blocks)), iter(self.jpeg_spans)
+        decoded, spans = iter(decoder.finish(decoded, self.jpeg_blocks)), iter(self.jpeg_spans)
         cpu_rows, gpu_rows, gpu_images, late_rows, late = [], [], [], [], []
         for i, on_gpu in enumerate(self.gpu):
             if self.reasons[i] is not None:
@@ -103,12 +105,12 @@ class Batch:
                 gpu_rows.append(row)
                 gpu_images.append(image)
                 continue
-            self.gpu[i] = False  # nvJPEG could not: the CPU decodes it, or says why it is no image
+            self.gpu[i] = False  # the GPU's decoder could not: the CPU decodes it, or says why it is no image
             pixels, self.reasons[i] = image_item(self.jpeg[a:b].numpy().tobytes(), preprocess)
             if pixels is not None:
                 late_rows.append(row)
                 late.append(pixels)
-        if gpu_rows and not cpu_rows and not late_rows:   # all nvJPEG's, in order
+        if gpu_rows and not cpu_rows and not late_rows:   # all the GPU's, in order
             return preprocess.resize_crop_batch(gpu_images)
         out = torch.empty((len(cpu_rows) + len(gpu_rows) + len(late_rows), preprocess.channels, *preprocess.size),
                           dtype=torch.uint8, device=device)
@@ -127,30 +129,29 @@ def _decode_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
 
 
-def device_batches(batches: Iterable[Batch], preprocess: Preprocess, device: torch.device, gpu_decode: bool,
-                   ahead: int = 2) -> Iterator[tuple[Batch, torch.Tensor]]:
+def device_batches(batches: Iterable[Batch], preprocess: Preprocess, device: torch.device,
+                   decoder: JpegDecoder | None = None, ahead: int = 2) -> Iterator[tuple[Batch, torch.Tensor]]:
     """Each batch with its uint8 pixels [n, C, H, W] on `device`, in order, ready for the stream current where
-    this generator runs. Without gpu_decode the pixels decoded on the CPU are copied. With it, two threads work
-    up to `ahead` batches before they are asked for: one keeps nvJPEG decoding (it holds its caller until a batch
-    is decoded) and does nothing else, the other upsamples the chroma of what it decoded and resizes it
+    this generator runs. Without a decoder the pixels decoded on the CPU are copied. With one (on `device`), two
+    threads work up to `ahead` batches before they are asked for: one keeps it decoding (decode() holds its caller
+    until a batch is decoded) and does nothing else, the other finishes what it decoded and resizes it
     (Batch.device_pixels), while the caller launches and collects forwards. An error in either thread is raised
     here."""
     batches = iter(batches)  # here: a DataLoader's iterator is made on the thread that owns its signal handlers
-    if not gpu_decode:
+    if decoder is None:
         for batch in batches:
             yield batch, batch.pixels.to(device, non_blocking=True)
         return
+    device = decoder.device
     cuda = device.type == "cuda"
-    if cuda:   # the threads take it as their current device: a bare "cuda" is this thread's current one
-        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
     consumer = torch.cuda.current_stream(device) if cuda else None
 
     def decode(batch: Batch) -> tuple[Batch, list[torch.Tensor | str]]:
         with torch.cuda.stream(_decode_stream(device)) if cuda else contextlib.nullcontext():
-            return batch, batch.nvjpeg(device)   # ready for the stream the resizing runs on
+            return batch, batch.decode_jpegs(decoder)   # ready for the stream the resizing runs on
 
-    decoded = _in_thread(decode, batches, ahead, "vit-triton-nvjpeg", device)
-    resized = _in_thread(lambda d: (d[0], *d[0].device_pixels(preprocess, device, d[1], consumer)), decoded, ahead,
+    decoded = _in_thread(decode, batches, ahead, "vit-triton-decode", device)
+    resized = _in_thread(lambda d: (d[0], *d[0].device_pixels(preprocess, decoder, d[1], consumer)), decoded, ahead,
                          "vit-triton-resize", device)
     try:
         for batch, pixels, ready in resized:
@@ -206,7 +207,7 @@ def _in_thread(fn, items: Iterator, ahead: int, name: str, device: torch.device)
 
 
 class Jpeg(NamedTuple):
-    """A JPEG left to nvJPEG: its bytes and its chroma block (nvjpeg_block)."""
+    """A JPEG left to the GPU: its bytes and its chroma block (nvjpeg_block)."""
 
     data: bytes
     block: tuple[int, int]
@@ -216,7 +217,7 @@ def image_item(data: bytes, preprocess: Preprocess,
                gpu_decode: bool = False) -> tuple[torch.Tensor | Jpeg | None, str | None]:
     """The one step from an image's bytes to what a batch holds, for files and shards alike: (uint8 pixels
     [C, H, W] resized and cropped by `preprocess`, None), or (None, the reason the bytes are no image); with
-    gpu_decode, a JPEG that nvJPEG takes is left encoded: (Jpeg, None)."""
+    gpu_decode, a JPEG the GPU's decoders take is left encoded: (Jpeg, None)."""
     if gpu_decode and (block := nvjpeg_block(data)) is not None:
         return Jpeg(data, block), None
     try:

@@ -5,8 +5,8 @@ Per process: DataLoader workers read, decode, resize and crop (uint8) while the 
 batches; pinned batches are copied without blocking, normalized on the device (on a GPU, a full
 batch's normalizing, forward and pooling replay one CUDA graph), and each batch's results come back
 through pinned memory one batch later, so that copying and writing overlap the next forward. With --decode
-gpu the workers only read JPEGs, and two threads of this process decode (nvJPEG) and resize them ahead of the
-forwards (data/files.py, device_batches). Batches never straddle a chunk (store.py: chunk_size files, or one tar
+gpu the workers only read JPEGs, and two threads of this process decode them (nvImageCodec, or torchvision's
+nvJPEG) and resize them ahead of the forwards (data/files.py, device_batches). Batches never straddle a chunk (store.py: chunk_size files, or one tar
 shard, which one worker reads whole), so a batch holds the same images however the work is split, and a resumed
 or a torchrun run writes what one uninterrupted process would.
 
@@ -34,7 +34,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Sampler
 
 from ..data import Preprocess, UnreadableImage, load_image
-from ..data.decode import WIDE_QUEUES, nvjpeg_available, widen_hardware_queues
+from ..data.decode import WIDE_QUEUES, JpegDecoder, jpeg_decoder, widen_hardware_queues
 from ..data.files import Batch, ImageFiles, TarShards, device_batches, worker_init
 from ..data.sources import is_shard, list_inputs
 from ..loaders import from_pretrained
@@ -355,13 +355,18 @@ def _embed(opts: EmbedOptions, rank: int, world: int, local_rank: int, log) -> S
         check_image_size(model, opts.image_size)
         pre = Preprocess.for_model(model, opts.image_size)
         clock.mark("checkpoint")
-        decode = _decoding(opts.decode, device, pre)
+        decoder, passed_over = _decoding(opts.decode, device, pre)
         clock.mark("decoder")
-        if decode == "gpu" and not wide:
-            queues = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8, CUDA's default,")
-            log(f"vit-triton embed: note: with {queues} hardware queues (CUDA_DEVICE_MAX_CONNECTIONS), nvJPEG may "
-                f"wait behind the forwards (5x slower with 8 on an H100): set {WIDE_QUEUES} before CUDA starts")
-        store.settings["decode"] = decode  # the two decoders' pixels differ slightly: one output keeps to one
+        if decoder is not None:
+            log(f"vit-triton embed: JPEGs decoded on the GPU by {decoder.name}"
+                + "".join(f" ({reason})" for reason in passed_over))
+            if not wide:
+                queues = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8, CUDA's default,")
+                log(f"vit-triton embed: note: with {queues} hardware queues (CUDA_DEVICE_MAX_CONNECTIONS), the JPEG "
+                    f"decoder may wait behind the forwards (5x slower with 8 on an H100): set {WIDE_QUEUES} before "
+                    f"CUDA starts")
+        # the CPU's and the GPU's pixels differ slightly: one output keeps to one
+        store.settings["decode"] = "cpu" if decoder is None else "gpu"
 
         # Rank 0 decides; everyone gets its decision (or its error, to exit the same way).
         inputs = None
@@ -386,7 +391,7 @@ def _embed(opts: EmbedOptions, rank: int, world: int, local_rank: int, log) -> S
         merge = held.enter_context(store.merging(inputs)) if rank == 0 else None
         clock.mark("listing")
         start = time.perf_counter()
-        counts = _run(model, pre, inputs, mine, store, opts, device, batch_size, rank, world, decode == "gpu", clock)
+        counts = _run(model, pre, inputs, mine, store, opts, device, batch_size, rank, world, decoder, clock)
         processed, gpu_decoded, cpu_decoded = (_sum(c, world) for c in counts)
         if world > 1:
             import torch.distributed as dist
@@ -407,31 +412,30 @@ def _list(spec: str) -> list[str]:
         raise UsageError(str(e)) from None
 
 
-def _decoding(option: str | None, device: torch.device, pre: Preprocess) -> str:
-    """--decode: "gpu" or "cpu"; by default gpu where it can run, else cpu. UsageError for gpu where it cannot run,
-    naming why: not on a CUDA device, without torchvision or nvJPEG's pixels there, for a one-channel model, or a
-    preprocessing filter the resize kernel lacks."""
+def _decoding(option: str | None, device: torch.device, pre: Preprocess) -> tuple[JpegDecoder | None, list[str]]:
+    """--decode: the GPU's JPEG decoder (jpeg_decoder) for gpu, None for cpu; by default gpu where one runs, else
+    cpu; with why the decoders passed over were. UsageError for gpu where none can run, naming why: not on a CUDA
+    device, no decoder that loads and gives libjpeg-turbo's pixels there, a one-channel model, or a preprocessing
+    filter the resize kernel lacks."""
     if option not in (None, "cpu", "gpu"):
         raise UsageError(f"--decode must be cpu or gpu, got {option!r}")
     if option == "cpu":
-        return "cpu"
+        return None, []
     if pre.channels != 3:
-        why = f"nvJPEG decodes to RGB, and the model takes {pre.channels} channel(s)"
+        decoder, why = None, [f"the GPU decodes JPEGs to RGB, and the model takes {pre.channels} channel(s)"]
     elif not pre.gpu_supported:
-        why = f"the resize kernel has no {pre.resample!r} filter (the checkpoint's preprocessing)"
+        decoder, why = None, [f"the resize kernel has no {pre.resample!r} filter (the checkpoint's preprocessing)"]
     else:
-        why = nvjpeg_available(device)
-    if why is None:
-        return "gpu"
-    if option is None:
-        return "cpu"
-    raise UsageError(f"--decode gpu: {why}; use --decode cpu")
+        decoder, why = jpeg_decoder(device)
+    if decoder is not None or option is None:
+        return decoder, why
+    raise UsageError(f"--decode gpu: {'; '.join(why)}; use --decode cpu")
 
 
 def _run(model, pre: Preprocess, inputs: list[str], chunks: dict[int, range], store: ChunkStore,
          opts: EmbedOptions, device: torch.device, batch_size: int, rank: int, world: int,
-         gpu_decode: bool, clock: _Clock) -> tuple[int, int, int]:
-    """Embed this rank's chunks; returns how many inputs it handled, and how many images nvJPEG and the CPU
+         decoder: JpegDecoder | None, clock: _Clock) -> tuple[int, int, int]:
+    """Embed this rank's chunks; returns how many inputs it handled, and how many images the GPU and the CPU
     decoded. Marks the clock's "first batch" (the workers' start, the first reads and decodes, the kernels'
     compilation and tuning, the CUDA graph's capture) and "embedding" (the rest)."""
     from tqdm import tqdm
@@ -443,10 +447,10 @@ def _run(model, pre: Preprocess, inputs: list[str], chunks: dict[int, range], st
         workers = max(1, (os.cpu_count() or 1) // local_world - 1)
     shards = is_shard(inputs[0])
     if shards:  # batches made as each shard is read, by the worker reading it
-        dataset = TarShards([(k, inputs[r.start]) for k, r in chunks.items()], pre, batch_size, gpu_decode)
+        dataset = TarShards([(k, inputs[r.start]) for k, r in chunks.items()], pre, batch_size, decoder is not None)
         batching = {"batch_size": None}
     else:
-        dataset = ImageFiles(inputs, pre, store.chunk_size, gpu_decode)
+        dataset = ImageFiles(inputs, pre, store.chunk_size, decoder is not None)
         batching = {"batch_sampler": ChunkBatches(list(chunks.values()), batch_size), "collate_fn": dataset.collate}
     loader = DataLoader(dataset, **batching, num_workers=workers, pin_memory=device.type == "cuda",
                         worker_init_fn=functools.partial(worker_init, os.getpid()) if workers else None,
@@ -479,7 +483,7 @@ def _run(model, pre: Preprocess, inputs: list[str], chunks: dict[int, range], st
     graphed = CUDAGraphRunner(model, forward=compute) if device.type == "cuda" else None
     in_flight = None
     with torch.inference_mode():
-        for batch, pixels in device_batches(loader, pre, device, gpu_decode):
+        for batch, pixels in device_batches(loader, pre, device, decoder):
             on_gpu = sum(batch.gpu)
             decoded_on_gpu, decoded_on_cpu = decoded_on_gpu + on_gpu, decoded_on_cpu + len(pixels) - on_gpu
             launched = _launch(compute, graphed, batch, pixels, device, batch_size, empty)
