@@ -4,6 +4,8 @@ import copy
 import json
 import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 import timm
@@ -273,6 +275,35 @@ def test_timm_label_names_and_descriptions(tmp_path):
     directory = save_timm(ref, tmp_path, label_names=["n1", "n2", "n3"], label_descriptions={"n1": "one", "n3": "three"})
     _, _, info = read_checkpoint(directory)
     assert info.id2label == {0: "one", 1: "n2", 2: "three"}
+
+
+def test_a_plain_timm_vit_loads_without_importing_timm(tmp_path):
+    """timm's import (through torchvision, torch._dynamo) takes seconds of every command's start: a plain
+    VisionTransformer checkpoint needs none of it, until a class is named (ImageNet's names are timm's)."""
+    ref = timm_model("vit_tiny_patch16_224", embed_dim=64, num_heads=2, num_classes=1000)
+    directory = save_timm(ref, tmp_path)
+    script = (f"import sys; from vit_triton import from_pretrained; "
+              f"model = from_pretrained({str(directory)!r}, device='cpu'); "
+              f"print('timm' in sys.modules); print(model.checkpoint.id2label[1]); print('timm' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert result.stdout.split("\n")[:3] == ["False", _imagenet_name(1), "True"]
+
+
+def _imagenet_name(index: int) -> str:
+    from timm.data import ImageNetInfo
+
+    return ImageNetInfo("imagenet-1k").label_descriptions()[index]
+
+
+def test_plain_vits_are_told_apart_as_timms_registry_does():
+    """_plain_timm_vit reads timm's source; it must call an architecture a plain ViT exactly where timm's registry
+    puts it in vision_transformer.py (Eva and Beit architectures, whose names alone mislead, are built by timm)."""
+    from vit_triton.loaders.pretrained import _plain_timm_vit
+
+    for name in timm.list_models():
+        plain = timm.models.model_entrypoint(name).__module__ == "timm.models.vision_transformer"
+        assert _plain_timm_vit(name) == plain, name
+    assert not _plain_timm_vit("vit_base_patch16")   # a name is matched whole: not a prefix of one
 
 
 def test_dtype_and_device(tmp_path):

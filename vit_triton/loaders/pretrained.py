@@ -14,9 +14,13 @@ TimmWrapperModel saves a timm checkpoint (config.json with an "architecture") wi
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
 import re
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
@@ -43,7 +47,7 @@ class CheckpointInfo:
     source: str                 # the directory, file or hub id it was read from
     library: str                # "transformers", "timm" or "open_clip"
     architecture: str           # e.g. "ViTForImageClassification", "vit_base_patch16_224"
-    id2label: dict[int, str]    # class index -> name; empty without a classifier
+    id2label: Mapping[int, str]   # class index -> name; empty without a classifier
     preprocessing: dict         # preprocessor_config.json (transformers), pretrained_cfg (timm) or
                                 # preprocess_cfg (OpenCLIP); {} if none
 
@@ -157,6 +161,8 @@ _TIMM_BUILT = {"timm.models.eva": r"eva|vit_.*_(rope|dinov3)|vit_pe_", "timm.mod
 def _timm_built(architecture: str, config: dict, num_classes: int) -> ViTConfig | None:
     """The config of a timm Eva or Beit architecture, built by timm on the meta device with the checkpoint's
     model_args and the weights' num_classes; None for an architecture of another family."""
+    if _plain_timm_vit(architecture):
+        return None
     try:
         import timm
     except ImportError:
@@ -175,6 +181,21 @@ def _timm_built(architecture: str, config: dict, num_classes: int) -> ViTConfig 
     except TypeError:   # an argument this timm does not know
         return None
     return timm_config_to_vit(module)
+
+
+def _plain_timm_vit(architecture: str) -> bool:
+    """Whether timm's vision_transformer.py registers `architecture` (a @register_model function of that name), as
+    its source says, read without importing timm: importing it takes seconds (through torchvision, torch._dynamo),
+    and a plain VisionTransformer's config comes from its weights. False where the source does not say so: timm's
+    registry is asked then."""
+    spec = importlib.util.find_spec("timm")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    try:
+        source = (Path(next(iter(spec.submodule_search_locations))) / "models" / "vision_transformer.py").read_text()
+    except OSError:
+        return False
+    return re.search(rf"^@register_model\n(?:@.*\n)*def {re.escape(architecture)}\(", source, re.M) is not None
 
 
 def timm_checkpoint(source: str, config: dict,
@@ -251,25 +272,58 @@ def _timm_config(architecture: str, config: dict, sd: dict, num_classes: int) ->
     )
 
 
-def _timm_labels(source: str, config: dict, num_classes: int) -> dict[int, str]:
-    """Names from config.json's label_names (and label_descriptions), else ImageNet's if timm is installed."""
+def _timm_labels(source: str, config: dict, num_classes: int) -> Mapping[int, str]:
+    """Names from config.json's label_names (and label_descriptions), else ImageNet's if timm is installed (looked
+    up when first asked for: LazyLabels)."""
     if not num_classes:
         return {}
+    if config.get("num_classes", num_classes) != num_classes:
+        raise ValueError(f"{source}: config.json says num_classes {config['num_classes']}, but the classifier has "
+                         f"{num_classes} rows")
     names = config.get("label_names")
     if isinstance(names, dict):
         names = {int(k): v for k, v in names.items()}
     elif names:
         names = dict(enumerate(names))
     else:
-        names = _imagenet_names(num_classes)
-    if config.get("label_names") and len(names) != num_classes:
+        return LazyLabels(functools.partial(_imagenet_labels, config, num_classes))
+    if len(names) != num_classes:
         raise ValueError(f"{source}: config.json names {len(names)} labels (label_names), but the classifier has {num_classes} "
                          f"rows")
-    if config.get("num_classes", num_classes) != num_classes:
-        raise ValueError(f"{source}: config.json says num_classes {config['num_classes']}, but the classifier has "
-                         f"{num_classes} rows")
+    return _named(config, names, num_classes)
+
+
+def _imagenet_labels(config: dict, num_classes: int) -> dict[int, str]:
+    return _named(config, _imagenet_names(num_classes), num_classes)
+
+
+def _named(config: dict, names: dict[int, str], num_classes: int) -> dict[int, str]:
+    """Each class's name (its label_descriptions entry where config.json has one), LABEL_i where none."""
     descriptions = config.get("label_descriptions") or {}
     return {i: descriptions.get(names.get(i), names.get(i, f"LABEL_{i}")) for i in range(num_classes)}
+
+
+class LazyLabels(Mapping):
+    """A class index -> name mapping computed when first used: ImageNet's names come from timm, whose import takes
+    seconds, which a run that never names a class (embed) does not pay."""
+
+    def __init__(self, compute: Callable[[], dict[int, str]]) -> None:
+        self._compute = compute
+        self._labels: dict[int, str] | None = None
+
+    def _get(self) -> dict[int, str]:
+        if self._labels is None:
+            self._labels = self._compute()
+        return self._labels
+
+    def __getitem__(self, index: int) -> str:
+        return self._get()[index]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._get())
+
+    def __len__(self) -> int:
+        return len(self._get())
 
 
 def _imagenet_names(num_classes: int) -> dict[int, str]:
