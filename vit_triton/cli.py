@@ -614,5 +614,16 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAILURE
 
 
+def run() -> None:
+    """The vit-triton command: main(), then the process ends at once (os._exit) with its exit status. By then
+    everything the command writes is written, closed and flushed; the interpreter's teardown that os._exit skips
+    (torch's, CUDA's, the decoder's: a second or more of every command) leaves nothing behind that a user reads. An
+    error main() does not handle ends the process the ordinary way, with its traceback."""
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
