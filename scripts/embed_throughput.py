@@ -287,10 +287,10 @@ def overlap_probes(checkpoint: Path, listed: Path, root: Path, batch_size: int, 
     """Where a --decode gpu run's time goes, from the GPU's decoder (the one embed picks) alone up to the whole
     pipeline. On JPEG batches of the files in `listed` already in memory: the decoder alone; the decoder while
     another thread replays the graphed forward without pause (and the forward's rate meanwhile), which falls several
-    times short of alone where its streams share the forward's hardware queue (CUDA_DEVICE_MAX_CONNECTIONS); and the package's two decoding
-    threads (device_batches) with the forward after each batch, as embed runs them without the DataLoader and the
-    writer. Then embed over the files: with the DataLoader and no forward (the stand-in writes zeros), and as it
-    is, each with CPU busy and GPU busy. Images/s throughout."""
+    times short of alone where its streams share the forward's hardware queue (CUDA_DEVICE_MAX_CONNECTIONS); and
+    the package's two decoding threads (device_batches) with the forward after each batch, as embed runs them
+    without the DataLoader and the writer. Then embed over the files: with the DataLoader and no forward (the
+    stand-in writes zeros), and as it is, each with CPU busy and GPU busy. Images/s throughout."""
     import importlib
 
     from vit_triton import Preprocess, from_pretrained

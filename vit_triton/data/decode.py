@@ -167,7 +167,8 @@ class NvImageCodecJpeg(JpegDecoder):
         self._codestream = nvimgcodec.CodeStream
         backends = [nvimgcodec.Backend(kind) for kind in (nvimgcodec.BackendKind.HW_GPU_ONLY,
                                                           nvimgcodec.BackendKind.GPU_ONLY)]
-        self._decoder = nvimgcodec.Decoder(device_id=self.device.index, backends=backends, options=":fancy_upsampling=1")
+        self._decoder = nvimgcodec.Decoder(device_id=self.device.index, backends=backends,
+                                           options=":fancy_upsampling=1")
         self._params = nvimgcodec.DecodeParams(apply_exif_orientation=False, color_spec=nvimgcodec.ColorSpec.SRGB,
                                                allow_any_depth=False, sample_format=nvimgcodec.SampleFormat.P_RGB)
 
@@ -265,7 +266,8 @@ def _probe(decoder: JpegDecoder) -> str | None:
         return f"{decoder.name} cannot decode JPEGs on {decoder.device}: {e}"
     want = torch.from_numpy(np.array(decode_image(probe.getvalue()))).permute(2, 0, 1)
     if not isinstance(image, torch.Tensor) or image.shape != want.shape:
-        return f"{decoder.name} did not decode a probe JPEG on {decoder.device}: {image if isinstance(image, str) else tuple(image.shape)}"
+        got = image if isinstance(image, str) else tuple(image.shape)
+        return f"{decoder.name} did not decode a probe JPEG on {decoder.device}: {got}"
     difference = (image.cpu().int() - want.int()).abs().max().item()
     if difference > decoder.max_difference:
         return (f"{decoder.name}'s pixels on {decoder.device} are up to {difference} levels from libjpeg-turbo's "

@@ -6,9 +6,9 @@ batches; pinned batches are copied without blocking, normalized on the device (o
 batch's normalizing, forward and pooling replay one CUDA graph), and each batch's results come back
 through pinned memory one batch later, so that copying and writing overlap the next forward. With --decode
 gpu the workers only read JPEGs, and two threads of this process decode them (nvImageCodec, or torchvision's
-nvJPEG) and resize them ahead of the forwards (data/files.py, device_batches). Batches never straddle a chunk (store.py: chunk_size files, or one tar
-shard, which one worker reads whole), so a batch holds the same images however the work is split, and a resumed
-or a torchrun run writes what one uninterrupted process would.
+nvJPEG) and resize them ahead of the forwards (data/files.py, device_batches). Batches never straddle a chunk
+(store.py: chunk_size files, or one tar shard, which one worker reads whole), so a batch holds the same images
+however the work is split, and a resumed or a torchrun run writes what one uninterrupted process would.
 
 Under torchrun (WORLD_SIZE > 1) rank 0 locks the output for the whole run, lists the inputs and
 chooses the chunks still to do; rank r takes every world-th of them; rank 0 merges them into the output as
