@@ -23,8 +23,9 @@ Its loads are not pipelined and it needs about twice the registers, 1.5-1.8x slo
 where the launch is many waves deep; where the GPU is latency-bound (ViT-B/16, 1-5 images) its one
 dependent chain (scores, max, exponentials, P V) instead of one a key block wins in the forward.
 
-Cost: 4*B*H*Tq*Tk*Dh FLOPs (two GEMMs) + B*H*Tq*Tk exponentials; at least 2*B*(Tq + Tk)*H*Dh elements
-moved (q, k, v read, o written; a query expanded over the batch is read once).
+Cost: 4*B*H*Tq*Tk*Dh FLOPs (two GEMMs) + B*H*Tq*Tk exponentials, 4*B*H*Tq*Tk*D as computed (D: the head
+dim's columns of work, head_pieces' sum where keys are streamed, 80 for 72, else block_d, 128 for 72); at least
+2*B*(Tq + Tk)*H*Dh elements moved (q, k, v read, o written; a query expanded over the batch is read once).
 
 Training. With lse= the forward also stores each query row's log-sum-exp, lse [B, H, Tq] float32, in base 2 (the
 natural one times log2(e), the units of both passes' exponentials, so neither rounds a conversion), and
